@@ -1,0 +1,33 @@
+"""Engine configuration: one dataclass, checked on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = ""  # checkpoint directory (config.json, *.safetensors, tokenizer.json)
+    served_model_name: str = ""
+    device: str = "auto"  # "auto" picks cuda when torch sees a GPU, else cpu
+    dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu
+    block_size: int = 16
+    num_kv_blocks: int = 0  # 0: size from memory (kv_cache_memory_gb)
+    kv_cache_memory_gb: float = 1.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 0  # 0: the checkpoint's context length
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    deterministic: bool = False  # batch-invariant numerics: a seeded request ignores its batch
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.num_kv_blocks < 0:
+            raise ValueError(f"num_kv_blocks must be >= 0, got {self.num_kv_blocks}")

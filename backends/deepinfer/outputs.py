@@ -1,0 +1,43 @@
+"""The typed hand-offs between the engine's stages: scheduler -> runner -> postprocess."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from backends.deepinfer.sequence import Sequence
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """One sequence's share of a step: tokens [start, start + num_tokens) of `seq.token_ids`.
+
+    `sample` is true when the chunk reaches the end of the sequence's known tokens, so the
+    step produces its next token (a finished prefill, or a decode step)."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    sample: bool
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting, blocks freed
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(slots=True)
+class SampledToken:
+    """What the sampler produced for one chunk with `sample=True`."""
+
+    token_id: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None

@@ -1,0 +1,61 @@
+"""A request as the scheduler sees it: tokens, status, block table, counters. No torch."""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+from orchestrator.runtime.protocol import WorkerRequest
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """One request inside the engine.
+
+    `num_computed_tokens` counts tokens whose KV is in the cache (prefix hits included);
+    the model runs on `token_ids[num_computed_tokens:]`, a chunk at a time during prefill."""
+
+    __slots__ = (
+        "block_hashes",
+        "block_table",
+        "finish_reason",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_prompt_tokens",
+        "request",
+        "request_id",
+        "status",
+        "token_ids",
+    )
+
+    def __init__(self, request: WorkerRequest) -> None:
+        self.request = request
+        self.request_id = request.request_id
+        self.token_ids: list[int] = list(request.token_ids)
+        self.num_prompt_tokens = len(request.token_ids)
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        # Sequence hashes of this sequence's full blocks, extended as tokens are generated.
+        self.block_hashes: list[int] = list(request.block_hashes)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (for usage)
+        self.finish_reason: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]

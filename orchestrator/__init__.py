@@ -1,0 +1,1 @@
+"""Weir: an inference control plane."""

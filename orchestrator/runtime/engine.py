@@ -1,0 +1,54 @@
+"""The seam between the runtime and a token engine.
+
+A backend (DeepInfer, the mocker, a vLLM adapter, ...) implements `Engine`; the runtime's
+worker host (`orchestrator.runtime.worker_host`) serves it on the request plane, registers
+its model card in discovery and publishes its KV events and load reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from orchestrator.runtime.protocol import KvEventBatch, KvSnapshot, LoadReport, ModelCard, TokenDelta, WorkerRequest
+
+
+class EngineError(Exception):
+    """Raised by an engine for a request it rejects; becomes a typed error frame."""
+
+    def __init__(self, code: str, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retryable = retryable
+
+
+class Engine(Protocol):
+    """What every backend provides to the worker host. All methods run on the host's event loop."""
+
+    @property
+    def card(self) -> ModelCard: ...
+
+    async def start(self) -> None:
+        """Load weights, allocate KV memory, start the step loop."""
+
+    async def stop(self) -> None:
+        """Stop the loop; in-flight requests end with finish_reason 'abort'."""
+
+    def generate(self, request: WorkerRequest) -> AsyncIterator[TokenDelta]:
+        """Stream deltas for one request. Closing the iterator early cancels the request and
+        frees its KV blocks at once. The last delta has a finish_reason and usage."""
+        ...
+
+    def load(self) -> LoadReport:
+        """Current load; `worker_id` is filled in by the host."""
+        ...
+
+    def take_kv_events(self) -> list[KvEventBatch]:
+        """Drain KV event batches produced since the last call (ids assigned by the engine,
+        monotonic from 1; `worker_id` filled in by the host)."""
+        ...
+
+    def kv_snapshot(self) -> KvSnapshot:
+        """Every cached block, as of the last event batch returned by take_kv_events."""
+        ...

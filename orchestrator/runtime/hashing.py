@@ -1,0 +1,50 @@
+"""Block hashing: the one contract the engine, the router and KVBM all key their caches by.
+
+A token sequence is cut into blocks of `block_size` tokens; a partial tail block is not
+hashed. Block i's sequence hash is XXH3-64 over block i's tokens as little-endian u32,
+seeded with block i-1's hash. The chain starts at 1337, or, when a LoRA name or cache salt
+is present, at XXH3-64(salt as UTF-8, seed=1337). A sequence hash therefore names a block
+together with its whole prefix, and a flat map from sequence hash serves as a prefix index.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+
+import xxhash
+
+ROOT_SEED = 1337
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+def root_hash(salt: str | None = None) -> int:
+    """The seed for the first block: 1337, or the salt's hash when one is given."""
+    return ROOT_SEED if not salt else _xxh3(salt.encode(), seed=ROOT_SEED)
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    salt: str | None = None,
+    parent: int | None = None,
+) -> list[int]:
+    """Sequence hashes of every full block of `token_ids`.
+
+    `parent` continues a chain: pass the last hash already known to hash only new blocks."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    n_full = len(token_ids) // block_size * block_size
+    # One conversion of the whole list to u32 bytes; slicing the buffer per block is cheap.
+    words = array("I", token_ids[:n_full])
+    if sys.byteorder != "little":
+        words.byteswap()
+    data = memoryview(words.tobytes())
+    step = block_size * 4
+    seed = root_hash(salt) if parent is None else parent
+    out: list[int] = []
+    for start in range(0, n_full * 4, step):
+        seed = _xxh3(data[start : start + step], seed=seed)
+        out.append(seed)
+    return out

@@ -1,0 +1,212 @@
+"""Wire types shared by every plane.
+
+All cross-process messages are msgspec structs (msgpack on the wire), never pickles or
+untyped dicts. Field names follow the blueprint in docs/architecture.md; keep the structs
+small and add a field only with a default, so older peers keep decoding newer messages.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import msgspec
+
+Role = Literal["aggregated", "prefill", "decode"]
+Tier = Literal["device", "host", "disk", "remote"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+ErrorCode = Literal[
+    "invalid_request",  # the request itself is wrong: never retry
+    "overloaded",  # the worker refused new work (draining, queue full): retry elsewhere
+    "unavailable",  # the connection to the worker broke: retry elsewhere
+    "cancelled",  # the caller cancelled
+    "internal",  # the worker failed while serving it
+]
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class SamplingOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Sampling knobs as OpenAI and vLLM name them. `top_k <= 0` and `top_p == 1` disable."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+
+
+class GuidedSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A structured-output constraint. `value` is a JSON schema text, a regex, a list of
+    choices or an EBNF grammar, by `kind`; `json_object` needs no value."""
+
+    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+    value: str | list[str] | None = None
+
+
+class KvTransfer(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Disaggregation: where a decode worker fetches the KV a prefill worker computed."""
+
+    source_worker: str
+    address: str
+    block_hashes: list[int] = []
+    first_token_id: int | None = None
+
+
+class WorkerRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One generation request, token ids only: the frontend owns all text."""
+
+    request_id: str
+    token_ids: list[int]
+    max_tokens: int
+    sampling: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
+    # Sequence hashes of the prompt's full blocks at the worker's block size, computed once
+    # by whoever tokenized (hash once, where tokens are produced). Empty means "not given".
+    block_hashes: list[int] = []
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    # None: no logprobs. 0: the sampled token's logprob only. k > 0: plus the top k.
+    logprobs: int | None = None
+    guided: GuidedSpec | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    kv_transfer: KvTransfer | None = None
+
+
+class TopLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    top: list[TopLogprob] = []
+
+
+class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One streamed step of a request. Deltas that are ready together travel together:
+    `token_ids` may hold several tokens. The last delta carries `finish_reason` and `usage`."""
+
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+
+class WorkerError(msgspec.Struct, kw_only=True):
+    """A typed error frame. The request plane raises it on the caller's side as RemoteError."""
+
+    code: ErrorCode
+    message: str
+    retryable: bool = False
+
+
+# --------------------------------------------------------------------------- KV events
+
+
+class BlockStored(msgspec.Struct, tag="stored", kw_only=True, omit_defaults=True):
+    """Blocks now cached, in prefix order; `parent_seq_hash` is the block before the first."""
+
+    blocks: list[int]
+    parent_seq_hash: int | None = None
+    tier: Tier = "device"
+
+
+class BlockRemoved(msgspec.Struct, tag="removed", kw_only=True, omit_defaults=True):
+    seq_hashes: list[int]
+    tier: Tier = "device"
+
+
+class AllCleared(msgspec.Struct, tag="cleared"):
+    pass
+
+
+KvEvent = BlockStored | BlockRemoved | AllCleared
+
+
+class KvEventBatch(msgspec.Struct, kw_only=True):
+    """What a worker publishes on `weir.<ns>.<model>.kv`.
+
+    `event_id` numbers batches per worker, 1, 2, 3, ...: a router that sees a batch whose
+    id is not last+1 has missed one and resyncs from the worker's snapshot."""
+
+    worker_id: str
+    event_id: int
+    events: list[KvEvent]
+
+
+class KvSnapshot(msgspec.Struct, kw_only=True):
+    """All blocks a worker caches, as of `event_id` (the last batch it published)."""
+
+    worker_id: str
+    event_id: int
+    blocks: dict[str, list[int]]  # tier -> seq hashes
+
+
+# --------------------------------------------------------------------------- load
+
+
+class LoadReport(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Published on `weir.<ns>.<model>.load` on change and at least every second."""
+
+    worker_id: str
+    active_requests: int = 0
+    waiting_requests: int = 0
+    active_blocks: int = 0
+    total_blocks: int = 0
+    queued_prefill_tokens: int = 0
+    draining: bool = False
+
+
+# --------------------------------------------------------------------------- discovery
+
+
+class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a worker serves. `model_path` names a directory holding tokenizer.json and
+    tokenizer_config.json (chat template) that the frontend reads."""
+
+    name: str
+    model_path: str | None = None
+    context_length: int = 4096
+    block_size: int = 64
+    kv_bytes_per_token: int = 0
+    role: Role = "aggregated"
+    backend: str = "mocker"
+    total_kv_blocks: int = 0
+    max_num_seqs: int = 0
+    eos_token_ids: list[int] = []
+
+
+class Instance(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One registered process. Workers carry their request-plane address and model card."""
+
+    instance_id: str
+    component: Literal["worker", "frontend", "router"]
+    address: str = ""
+    card: ModelCard | None = None
+    draining: bool = False
+
+
+# --------------------------------------------------------------------------- naming
+
+_SUBJECT_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def subject(namespace: str, model: str, kind: Literal["kv", "load", "inflight"]) -> str:
+    """The event-plane subject for a model's KV events, load reports or router in-flight load.
+
+    Model names hold '/' and '.', which NATS reads as token separators, so they are folded."""
+    return f"weir.{_SUBJECT_UNSAFE.sub('_', namespace)}.{_SUBJECT_UNSAFE.sub('_', model)}.{kind}"

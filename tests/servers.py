@@ -1,0 +1,100 @@
+"""Real etcd, NATS and Redis servers on 127.0.0.1 for tests: each on free ports, in a temp dir."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(port: int, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+
+
+def find_binary(name: str, *extra: str) -> str | None:
+    for candidate in (shutil.which(name), *extra):
+        if candidate and Path(candidate).exists():
+            return candidate
+    return None
+
+
+@contextmanager
+def _process(args: list[str], port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for_port(port, proc=proc)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def etcd_server(workdir: Path) -> Iterator[str]:
+    """Yields the client URL, http://127.0.0.1:PORT."""
+    binary = find_binary("etcd", "/usr/bin/etcd")
+    if binary is None:
+        raise RuntimeError("etcd not found: install Debian's etcd-server")
+    client, peer = free_port(), free_port()
+    args = [
+        binary,
+        "--name=default",
+        f"--data-dir={workdir / 'etcd'}",
+        f"--listen-client-urls=http://127.0.0.1:{client}",
+        f"--advertise-client-urls=http://127.0.0.1:{client}",
+        f"--listen-peer-urls=http://127.0.0.1:{peer}",
+        f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+        f"--initial-cluster=default=http://127.0.0.1:{peer}",
+        "--log-level=error",
+    ]
+    with _process(args, client, workdir / "etcd.log"):
+        yield f"http://127.0.0.1:{client}"
+
+
+@contextmanager
+def nats_server(workdir: Path) -> Iterator[str]:
+    """Yields nats://127.0.0.1:PORT, with JetStream enabled."""
+    binary = find_binary("nats-server", "/usr/sbin/nats-server", "/usr/bin/nats-server")
+    if binary is None:
+        raise RuntimeError("nats-server not found: install Debian's nats-server")
+    port = free_port()
+    args = [binary, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(workdir / "nats")]
+    with _process(args, port, workdir / "nats.log"):
+        yield f"nats://127.0.0.1:{port}"
+
+
+@contextmanager
+def redis_server(workdir: Path) -> Iterator[str]:
+    """Yields redis://127.0.0.1:PORT."""
+    binary = find_binary("redis-server", "/usr/bin/redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server not found: install Debian's redis-server")
+    port = free_port()
+    args = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+            "--dir", str(workdir)]
+    with _process(args, port, workdir / "redis.log"):
+        yield f"redis://127.0.0.1:{port}"

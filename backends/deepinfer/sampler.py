@@ -1,0 +1,259 @@
+"""Logits to tokens for a batch whose rows each carry their own sampling parameters.
+
+The order follows vLLM v1's sampler, so a request behaves the same on either engine:
+
+1. raw logprobs (``log_softmax`` of the logits as they arrive: the model's distribution with
+   any grammar mask already applied, before penalties, bias or temperature; vLLM's default
+   ``logprobs_mode="raw_logprobs"``),
+2. ``min_tokens`` (EOS and stop token ids masked until reached), ``logit_bias``,
+3. penalties: repetition over prompt + generated tokens, frequency and presence over
+   generated tokens only,
+4. greedy rows (temperature 0) take the argmax here,
+5. temperature, then min-p, then top-k / top-p,
+6. sampling by the exponential race ``argmax(p / q)``, ``q ~ Exp(1)``: one draw per vocabulary
+   entry from the request's own ``torch.Generator`` when it is seeded, so a seeded request's
+   tokens do not depend on what else is in the batch.
+
+Each stage runs only when some row in the batch needs it, so an all-greedy batch costs one
+argmax. In deterministic mode rows are processed one at a time, which makes every reduction
+(softmax, sort, cumsum) see the same shape whether the request runs alone or in a batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from backends.deepinfer.outputs import SampledToken
+from backends.deepinfer.sequence import Sequence
+from orchestrator.runtime.protocol import SamplingOptions, WorkerRequest
+
+_GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
+
+
+def validate_request(request: WorkerRequest, vocab_size: int) -> None:
+    """Reject sampling parameters the sampler cannot honour (raises ValueError)."""
+    s = request.sampling
+    if s.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {s.temperature}")
+    if not 0 < s.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {s.top_p}")
+    if not 0 <= s.min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {s.min_p}")
+    if s.repetition_penalty <= 0:
+        raise ValueError(f"repetition_penalty must be > 0, got {s.repetition_penalty}")
+    if request.max_tokens <= 0:
+        raise ValueError(f"max_tokens must be positive, got {request.max_tokens}")
+    if request.min_tokens < 0 or request.min_tokens > request.max_tokens:
+        raise ValueError(f"min_tokens must be in [0, max_tokens], got {request.min_tokens}")
+    if request.logprobs is not None and not 0 <= request.logprobs <= 20:
+        raise ValueError(f"logprobs must be in [0, 20], got {request.logprobs}")
+    for name, ids in (
+        ("token_ids", request.token_ids),
+        ("stop_token_ids", request.stop_token_ids),
+        ("logit_bias", list(s.logit_bias or ())),
+    ):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{name} holds ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
+def _is_greedy(s: SamplingOptions) -> bool:
+    return s.temperature < _GREEDY_EPS
+
+
+class Sampler:
+    def __init__(
+        self, vocab_size: int, eos_token_ids: Iterable[int], seed: int = 0, deterministic: bool = False
+    ):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.deterministic = deterministic
+        self._seed = seed
+        self._generator: torch.Generator | None = None  # unseeded rows, created on the logits' device
+        self._seeded: dict[str, torch.Generator] = {}
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's generator."""
+        self._seeded.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        """Sample one token per row; row i belongs to `seqs[i]`. `logits` is (len(seqs), vocab)."""
+        if self.deterministic and len(seqs) > 1:
+            return [t for i, seq in enumerate(seqs) for t in self._sample(logits[i : i + 1], [seq])]
+        return self._sample(logits, seqs)
+
+    # ------------------------------------------------------------------ the pipeline
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        params = [seq.request.sampling for seq in seqs]
+        logits = logits.float()
+        num_logprobs = [seq.request.logprobs for seq in seqs]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in num_logprobs) else None
+        logits = self._apply_min_tokens(logits, seqs)
+        logits = self._apply_logit_bias(logits, params)
+        logits = _apply_penalties(logits, seqs)
+
+        greedy = [_is_greedy(p) for p in params]
+        if all(greedy):
+            sampled = logits.argmax(dim=-1)
+        else:
+            random = self._sample_random(logits, seqs, params, greedy)
+            if any(greedy):
+                mask = torch.tensor(greedy, device=logits.device)
+                sampled = torch.where(mask, logits.argmax(dim=-1), random)
+            else:
+                sampled = random
+        token_ids: list[int] = sampled.tolist()
+        if raw_logprobs is None:
+            return [SampledToken(t) for t in token_ids]
+        return _with_logprobs(raw_logprobs, sampled, token_ids, num_logprobs)
+
+    def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, seq in enumerate(seqs):
+            req = seq.request
+            if seq.num_completion_tokens >= req.min_tokens:
+                continue
+            stop_ids = req.stop_token_ids if req.ignore_eos else [*self.eos_token_ids, *req.stop_token_ids]
+            rows.extend([i] * len(stop_ids))
+            cols.extend(stop_ids)
+        if rows:
+            logits = logits.clone()
+            logits[rows, cols] = float("-inf")
+        return logits
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingOptions]) -> torch.Tensor:
+        rows: list[int] = []
+        cols: list[int] = []
+        values: list[float] = []
+        for i, p in enumerate(params):
+            for token_id, bias in (p.logit_bias or {}).items():
+                rows.append(i)
+                cols.append(token_id)
+                values.append(bias)
+        if rows:
+            logits = logits.clone()
+            logits[rows, cols] += torch.tensor(values, device=logits.device)
+        return logits
+
+    def _sample_random(
+        self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingOptions], greedy: list[bool]
+    ) -> torch.Tensor:
+        device = logits.device
+        # Greedy rows ride along with temperature 1; their draw is discarded by the caller.
+        temps = torch.tensor(
+            [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], device=device
+        )
+        logits = logits / temps.unsqueeze(1)
+        if any(p.min_p > 0 for p in params):
+            logits = _apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
+        if any(0 < p.top_k < self.vocab_size or p.top_p < 1 for p in params):
+            k = [p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size for p in params]
+            logits = _apply_top_k_top_p(
+                logits, torch.tensor(k, device=device), torch.tensor([p.top_p for p in params], device=device)
+            )
+        probs = torch.softmax(logits, dim=-1)
+        q = torch.empty_like(probs)
+        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            if len(unseeded) == len(params):
+                q.exponential_(generator=self._default_generator(device))
+            else:
+                rows = torch.tensor(unseeded, device=device)
+                q[rows] = torch.empty_like(q[rows]).exponential_(generator=self._default_generator(device))
+        for i, (seq, p) in enumerate(zip(seqs, params, strict=True)):
+            if p.seed is not None:
+                q[i].exponential_(generator=self._seeded_generator(seq.request_id, p.seed, device))
+        return probs.div_(q).argmax(dim=-1)
+
+    def _default_generator(self, device: torch.device) -> torch.Generator:
+        if self._generator is None:
+            self._generator = torch.Generator(device=device)
+            self._generator.manual_seed(self._seed)
+        return self._generator
+
+    def _seeded_generator(self, request_id: str, seed: int, device: torch.device) -> torch.Generator:
+        gen = self._seeded.get(request_id)
+        if gen is None:
+            gen = self._seeded[request_id] = torch.Generator(device=device)
+            gen.manual_seed(seed)
+        return gen
+
+
+# ---------------------------------------------------------------------- stages as pure functions
+
+
+def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """(len(rows), vocab) occurrence counts; rows are padded with an id past the vocabulary."""
+    width = max((len(r) for r in rows), default=0)
+    counts = torch.zeros(len(rows), vocab_size + 1, device=device)
+    if width:
+        padded = torch.tensor([r + [vocab_size] * (width - len(r)) for r in rows], device=device)
+        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
+    return counts[:, :vocab_size]
+
+
+def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    params = [seq.request.sampling for seq in seqs]
+    use_rep = any(p.repetition_penalty != 1.0 for p in params)
+    use_freq_pres = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
+    if not (use_rep or use_freq_pres):
+        return logits
+    device, vocab = logits.device, logits.shape[-1]
+    output = _token_counts([seq.token_ids[seq.num_prompt_tokens :] for seq in seqs], vocab, device)
+    if use_rep:
+        prompt = _token_counts([seq.token_ids[: seq.num_prompt_tokens] for seq in seqs], vocab, device)
+        rep = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
+        seen = (prompt > 0) | (output > 0)
+        # Shrink seen tokens' logits towards "less likely" whatever their sign (CTRL / vLLM).
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalized, logits)
+    if use_freq_pres:
+        freq = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
+        pres = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
+        logits = logits - freq * output - pres * (output > 0).to(logits.dtype)
+    return logits
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's k best tokens, then its smallest set whose probability reaches p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    vocab = logits.shape[-1]
+    kth_best = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_best, float("-inf"))
+    if bool((p < 1).any()):
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= (1 - p).unsqueeze(1)
+        drop[:, -1] = False  # the best token always survives
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _with_logprobs(
+    raw_logprobs: torch.Tensor, sampled: torch.Tensor, token_ids: list[int], num_logprobs: list[int | None]
+) -> list[SampledToken]:
+    chosen: list[float] = raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()
+    max_top = max((n or 0) for n in num_logprobs)
+    top_values: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    if max_top:
+        values, ids = raw_logprobs.topk(max_top, dim=-1)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    out: list[SampledToken] = []
+    for i, (token_id, n) in enumerate(zip(token_ids, num_logprobs, strict=True)):
+        if n is None:
+            out.append(SampledToken(token_id))
+            continue
+        top = list(zip(top_ids[i][:n], top_values[i][:n], strict=True)) if n else []
+        out.append(SampledToken(token_id, chosen[i], top))
+    return out

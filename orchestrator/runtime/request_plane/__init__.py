@@ -1,0 +1,27 @@
+"""Request plane: direct TCP, length-prefixed msgpack frames, many streams per connection."""
+
+from __future__ import annotations
+
+from orchestrator.runtime.request_plane.client import RequestPlaneClient, ResponseStream
+from orchestrator.runtime.request_plane.errors import RemoteError
+from orchestrator.runtime.request_plane.server import Handler, RequestPlaneServer
+from orchestrator.runtime.request_plane.worker_client import (
+    GENERATE,
+    KV_SNAPSHOT,
+    LocalWorkerClient,
+    TcpWorkerClient,
+    WorkerClient,
+)
+
+__all__ = [
+    "GENERATE",
+    "KV_SNAPSHOT",
+    "Handler",
+    "LocalWorkerClient",
+    "RemoteError",
+    "RequestPlaneClient",
+    "RequestPlaneServer",
+    "ResponseStream",
+    "TcpWorkerClient",
+    "WorkerClient",
+]

@@ -1,0 +1,183 @@
+"""The caller side of the request plane: one pooled connection per worker address.
+
+`stream()` returns a `ResponseStream`, an async iterator of response payloads. Closing it
+early (`aclose()`, or dropping it unfinished, or cancelling the task awaiting it) sends a
+`Cancel` frame, so the worker stops generating. A lost connection fails every stream open on
+it with `RemoteError('unavailable', retryable=True)`; the next call reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from functools import partial
+
+from orchestrator.runtime.request_plane.connection import FrameProtocol
+from orchestrator.runtime.request_plane.errors import RemoteError, unavailable
+from orchestrator.runtime.request_plane.frames import Call, Cancel, Data, End, Error, Frame
+
+
+class _ClientConnection(FrameProtocol):
+    def __init__(self, address: str) -> None:
+        super().__init__()
+        self.address = address
+        self.streams: dict[int, _Inbox] = {}
+        self._next_id = 0
+
+    def open_stream(self, inbox: _Inbox, endpoint: str, payload: bytes) -> int:
+        self._next_id += 1
+        self.streams[self._next_id] = inbox
+        self.send(Call(self._next_id, endpoint, payload))
+        return self._next_id
+
+    def cancel_stream(self, stream_id: int) -> None:
+        if self.streams.pop(stream_id, None) is not None:
+            self.send(Cancel(stream_id))
+
+    def frame_received(self, frame: Frame) -> None:
+        # Frames for a stream the caller already cancelled are dropped.
+        if type(frame) is Data:
+            stream = self.streams.get(frame.stream_id)
+            if stream is not None:
+                stream.push(frame.payload)
+        elif type(frame) is End:
+            stream = self.streams.pop(frame.stream_id, None)
+            if stream is not None:
+                stream.finish(None)
+        elif type(frame) is Error:
+            stream = self.streams.pop(frame.stream_id, None)
+            if stream is not None:
+                stream.finish(RemoteError.from_wire(frame.error))
+        else:
+            self.warn(f"request plane: unexpected {type(frame).__name__} frame from {self.address}")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        streams, self.streams = self.streams, {}
+        error = unavailable(f"connection to {self.address} lost" + (f": {exc}" if exc else ""))
+        for stream in streams.values():
+            stream.finish(error)
+
+
+class _Inbox:
+    """What has arrived for one stream. The connection holds inboxes, never the caller's
+    `ResponseStream`, so a stream the caller drops is collected and can cancel itself."""
+
+    __slots__ = ("done", "error", "items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: deque[bytes] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+        self.done = False
+        self.error: RemoteError | None = None
+
+    def push(self, payload: bytes) -> None:
+        self.items.append(payload)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def finish(self, error: RemoteError | None) -> None:
+        self.done = True
+        self.error = error
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+
+class ResponseStream:
+    """The response payloads of one call. Iterate it; close it if you stop early."""
+
+    __slots__ = ("_client", "_conn", "_inbox", "_request", "_stream_id")
+
+    def __init__(self, client: RequestPlaneClient, address: str, endpoint: str, payload: bytes) -> None:
+        self._client = client
+        self._request: tuple[str, str, bytes] | None = (address, endpoint, payload)
+        self._conn: _ClientConnection | None = None
+        self._stream_id = 0
+        self._inbox = _Inbox()
+
+    def __aiter__(self) -> ResponseStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._request is not None:
+            await self._start()
+        inbox = self._inbox
+        while not inbox.items:
+            if inbox.done:
+                if inbox.error is not None:
+                    raise inbox.error
+                raise StopAsyncIteration
+            inbox.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await inbox.waiter
+            except asyncio.CancelledError:
+                self._cancel()
+                raise
+        return inbox.items.popleft()
+
+    async def aclose(self) -> None:
+        self._cancel()
+
+    def __del__(self) -> None:
+        # Dropped unfinished (the caller broke out of its loop): still tell the worker.
+        with contextlib.suppress(Exception):
+            self._cancel()
+
+    async def _start(self) -> None:
+        assert self._request is not None
+        address, endpoint, payload = self._request
+        self._request = None
+        try:
+            self._conn = await self._client.connection(address)
+        except RemoteError as exc:
+            self._inbox.finish(exc)
+            return
+        self._stream_id = self._conn.open_stream(self._inbox, endpoint, payload)
+
+    def _cancel(self) -> None:
+        self._request = None
+        if not self._inbox.done:
+            self._inbox.done = True
+            if self._conn is not None:
+                self._conn.cancel_stream(self._stream_id)
+
+
+class RequestPlaneClient:
+    def __init__(self, connect_timeout: float = 5.0) -> None:
+        self.connect_timeout = connect_timeout
+        self._conns: dict[str, _ClientConnection] = {}
+        self._connecting: dict[str, asyncio.Future[_ClientConnection]] = {}
+
+    def stream(self, address: str, endpoint: str, payload: bytes) -> ResponseStream:
+        """Call `endpoint` on the worker at `address` ("host:port"); nothing is sent until the
+        first `__anext__`. Failures arrive from the iterator as `RemoteError`."""
+        return ResponseStream(self, address, endpoint, payload)
+
+    async def connection(self, address: str) -> _ClientConnection:
+        conn = self._conns.get(address)
+        if conn is not None and conn.is_open:
+            return conn
+        pending = self._connecting.get(address)
+        if pending is None:
+            pending = asyncio.get_running_loop().create_task(self._connect(address))
+            self._connecting[address] = pending
+            pending.add_done_callback(lambda _: self._connecting.pop(address, None))
+        return await asyncio.shield(pending)
+
+    async def _connect(self, address: str) -> _ClientConnection:
+        host, _, port = address.rpartition(":")
+        factory = partial(_ClientConnection, address)
+        try:
+            connecting = asyncio.get_running_loop().create_connection(factory, host.strip("[]"), int(port))
+            _, conn = await asyncio.wait_for(connecting, self.connect_timeout)
+        except (OSError, TimeoutError, ValueError) as exc:
+            raise unavailable(f"cannot connect to {address}: {exc!r}") from exc
+        self._conns[address] = conn
+        return conn
+
+    async def close(self) -> None:
+        conns, self._conns = self._conns, {}
+        for conn in conns.values():
+            if conn.transport is not None:
+                conn.transport.close()

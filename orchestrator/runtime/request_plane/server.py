@@ -1,0 +1,125 @@
+"""The worker side of the request plane: one task per open stream, many per connection.
+
+A handler takes the call's payload and returns an async iterator of response payloads.
+Raising `RemoteError` sends that error; any other exception becomes an `internal` error.
+A `Cancel` frame, or the connection closing, cancels the handler's task; the handler's
+iterator is then closed, so whatever it holds (an engine request, KV blocks) is freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from orchestrator.runtime.protocol import ErrorCode, WorkerError
+from orchestrator.runtime.request_plane.connection import FrameProtocol
+from orchestrator.runtime.request_plane.errors import RemoteError
+from orchestrator.runtime.request_plane.frames import Call, Cancel, Data, End, Error, Frame, stream_id_of
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[bytes], AsyncIterator[bytes]]
+
+
+class _ServerConnection(FrameProtocol):
+    def __init__(self, server: RequestPlaneServer) -> None:
+        super().__init__()
+        self._handlers = server.handlers
+        self._server = server
+        self.tasks: dict[int, asyncio.Task[None]] = {}
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._server.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._server.connections.discard(self)
+        for task in self.tasks.values():
+            task.cancel()
+        self.tasks.clear()
+
+    def frame_received(self, frame: Frame) -> None:
+        if type(frame) is Call:
+            self._open(frame)
+        elif type(frame) is Cancel:
+            task = self.tasks.pop(frame.stream_id, None)
+            if task is not None:
+                task.cancel()
+        else:
+            self.warn(f"request plane: unexpected {type(frame).__name__} frame from a caller")
+
+    def malformed_frame(self, raw: bytes, exc: Exception) -> None:
+        super().malformed_frame(raw, exc)
+        stream_id = stream_id_of(raw)
+        if stream_id is not None and stream_id not in self.tasks:
+            self._fail(stream_id, "invalid_request", f"malformed frame: {exc}")
+
+    def _open(self, call: Call) -> None:
+        handler = self._handlers.get(call.endpoint)
+        if handler is None:
+            self._fail(call.stream_id, "invalid_request", f"unknown endpoint {call.endpoint!r}")
+        elif call.stream_id in self.tasks:
+            self._fail(call.stream_id, "invalid_request", f"stream {call.stream_id} is already open")
+        else:
+            task = self.loop.create_task(self._serve(call.stream_id, handler, call.payload))
+            self.tasks[call.stream_id] = task
+
+    def _fail(self, stream_id: int, code: ErrorCode, message: str) -> None:
+        self.send(Error(stream_id, WorkerError(code=code, message=message)))
+
+    async def _serve(self, stream_id: int, handler: Handler, payload: bytes) -> None:
+        stream: AsyncIterator[bytes] | None = None
+        try:
+            stream = handler(payload)
+            async for chunk in stream:
+                self.send(Data(stream_id, chunk))
+                if self.paused:
+                    await self.writable()
+            self.send(End(stream_id))
+        except RemoteError as exc:
+            self.send(Error(stream_id, exc.to_wire()))
+        except Exception as exc:
+            log.exception("request plane: handler failed on stream %d", stream_id)
+            self.send(Error(stream_id, WorkerError(code="internal", message=repr(exc))))
+        finally:
+            self.tasks.pop(stream_id, None)
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+class RequestPlaneServer:
+    def __init__(self, handlers: dict[str, Handler]) -> None:
+        self.handlers = handlers
+        self.connections: set[_ServerConnection] = set()
+        self.host = ""
+        self.port = 0
+        self._server: asyncio.Server | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Listen; returns the bound port (port 0 picks a free one)."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _ServerConnection(self), host, port)
+        self.host = host
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop listening and close every connection; open streams are cancelled."""
+        if self._server is None:
+            return
+        self._server.close()
+        tasks = [task for conn in self.connections for task in conn.tasks.values()]
+        for conn in list(self.connections):
+            if conn.transport is not None:
+                conn.transport.abort()
+        for task in tasks:
+            task.cancel()
+        # Let the handlers run their cleanup (an engine frees the requests) before returning.
+        await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self._server.wait_closed()
+        self._server = None

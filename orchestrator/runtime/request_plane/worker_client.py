@@ -1,0 +1,108 @@
+"""Typed calls to a worker: what the frontend and the router use.
+
+`TcpWorkerClient` goes over the request plane (endpoints `generate` and `kv_snapshot`, msgpack
+`WorkerRequest` in, msgpack `TokenDelta`s out); `LocalWorkerClient` calls an in-process engine
+directly (embedded mode). Both raise `RemoteError` for every failure and cancel the request
+when the delta iterator is closed early.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import msgspec
+
+from orchestrator.runtime.engine import Engine, EngineError
+from orchestrator.runtime.protocol import KvSnapshot, TokenDelta, WorkerRequest
+from orchestrator.runtime.request_plane.client import RequestPlaneClient, ResponseStream
+from orchestrator.runtime.request_plane.errors import RemoteError
+
+GENERATE = "generate"
+KV_SNAPSHOT = "kv_snapshot"
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_delta = msgspec.msgpack.Decoder(TokenDelta).decode
+_decode_snapshot = msgspec.msgpack.Decoder(KvSnapshot).decode
+
+
+class WorkerClient(Protocol):
+    def generate(self, request: WorkerRequest) -> AsyncIterator[TokenDelta]: ...
+
+    async def kv_snapshot(self) -> KvSnapshot: ...
+
+
+class _DeltaStream:
+    """Decodes a response stream into TokenDeltas; a plain class, so no generator frame per item."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner: ResponseStream) -> None:
+        self._inner = inner
+
+    def __aiter__(self) -> _DeltaStream:
+        return self
+
+    async def __anext__(self) -> TokenDelta:
+        payload = await self._inner.__anext__()
+        try:
+            return _decode_delta(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            await self._inner.aclose()
+            raise RemoteError("internal", f"undecodable delta from worker: {exc}") from exc
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class TcpWorkerClient:
+    def __init__(self, client: RequestPlaneClient, address: str) -> None:
+        self.client = client
+        self.address = address
+
+    def generate(self, request: WorkerRequest) -> _DeltaStream:
+        return _DeltaStream(self.client.stream(self.address, GENERATE, _encode(request)))
+
+    async def kv_snapshot(self) -> KvSnapshot:
+        stream = self.client.stream(self.address, KV_SNAPSHOT, b"")
+        try:
+            payload = await stream.__anext__()
+        except StopAsyncIteration:
+            raise RemoteError("internal", "worker sent no snapshot") from None
+        finally:
+            await stream.aclose()
+        return _decode_snapshot(payload)
+
+
+class _LocalDeltaStream:
+    """An engine's delta iterator with EngineError mapped to RemoteError."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner: AsyncIterator[TokenDelta]) -> None:
+        self._inner = inner
+
+    def __aiter__(self) -> _LocalDeltaStream:
+        return self
+
+    async def __anext__(self) -> TokenDelta:
+        try:
+            return await self._inner.__anext__()
+        except EngineError as exc:
+            raise RemoteError(exc.code, exc.message, exc.retryable) from exc  # type: ignore[arg-type]
+
+    async def aclose(self) -> None:
+        aclose = getattr(self._inner, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+class LocalWorkerClient:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def generate(self, request: WorkerRequest) -> _LocalDeltaStream:
+        return _LocalDeltaStream(self.engine.generate(request))
+
+    async def kv_snapshot(self) -> KvSnapshot:
+        return self.engine.kv_snapshot()

@@ -1,8 +1,10 @@
-"""What the router is asked and what it answers."""
+"""What the router is asked and what it answers, plus its one wire message."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import msgspec
 
 
 @dataclass(slots=True)
@@ -21,18 +23,43 @@ class Decision:
     worker_id: str
     overlap_blocks: int = 0  # prompt blocks the chosen worker already caches
     cost: float = 0.0
+    best_overlap_blocks: int = 0  # the most any candidate worker caches
 
 
 @dataclass(slots=True)
 class WorkerLoad:
-    """A worker's load as the router knows it: its last report plus the router's own
-    in-flight requests sent to it since."""
+    """A worker's load as the router knows it: its last load report (`active_*`, `waiting_*`,
+    `total_blocks`) and the requests routers sent it that have not finished (`inflight_*`,
+    this router's own plus its replicas')."""
 
     active_requests: int = 0
     waiting_requests: int = 0
     active_blocks: int = 0
     total_blocks: int = 0
     draining: bool = False
+    inflight_requests: int = 0
+    inflight_blocks: int = 0
+
+    @property
+    def requests(self) -> int:
+        # A report lags the router's own count; the router's count misses other routers
+        # that share no load. The larger of the two is the better guess.
+        return max(self.inflight_requests, self.active_requests + self.waiting_requests)
+
+    @property
+    def blocks(self) -> int:
+        return max(self.inflight_blocks, self.active_blocks)
+
+
+class InflightUpdate(msgspec.Struct, kw_only=True):
+    """Published by a router on `weir.<ns>.<model>.inflight` when it sends a request to a
+    worker (`done=False`) and when the request ends (`done=True`), so replicas count it."""
+
+    router_id: str
+    worker_id: str
+    request_id: str
+    blocks: int = 0
+    done: bool = False
 
 
 class NoWorkerAvailable(Exception):

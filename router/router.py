@@ -1,25 +1,54 @@
-"""The `Router` facade: keeps the worker set and their load, and asks the policy to pick.
+"""The `Router` facade: keeps the worker set, their load and (in `kv` mode) the KV index,
+and asks the policy to pick.
 
 The frontend calls `select` before dispatching and `on_finish` when a request ends, so the
-router counts its own in-flight requests between workers' load reports."""
+router counts its own in-flight requests between workers' load reports. The event-plane
+side (`router.subscriber`) feeds `apply_kv_batch`, `apply_kv_snapshot`, `apply_load` and
+`apply_inflight`, and publishes what `on_inflight` hands it to replica routers.
+"""
 
 from __future__ import annotations
 
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from orchestrator.runtime.protocol import KvEventBatch, KvSnapshot, LoadReport
+from router import metrics
+from router.approx import ApproxIndexer
+from router.cost import CostParams
+from router.indexer import KvIndexer
+from router.load import LoadTracker
 from router.policies.base import Policy
 from router.policies.direct import DirectPolicy
+from router.policies.kv import KvPolicy, OverlapIndex
 from router.policies.least_loaded import LeastLoadedPolicy
 from router.policies.random import RandomPolicy
 from router.policies.round_robin import RoundRobinPolicy
-from router.protocols import Decision, NoWorkerAvailable, RouteRequest, WorkerLoad
+from router.protocols import Decision, InflightUpdate, NoWorkerAvailable, RouteRequest
 
 MODES = ("kv", "round-robin", "random", "least-loaded", "direct")
+log = logging.getLogger(__name__)
 
 
-def make_policy(mode: str) -> Policy:
+def make_policy(
+    mode: str,
+    *,
+    index: OverlapIndex | None = None,
+    block_size: int = 64,
+    params: CostParams | None = None,
+    seed: int | None = None,
+) -> Policy:
+    if mode == "kv":
+        if index is None:
+            raise ValueError("kv routing needs an index (use make_router)")
+        return KvPolicy(index, block_size, params or CostParams(), seed=seed)
     if mode == "round-robin":
         return RoundRobinPolicy()
     if mode == "random":
-        return RandomPolicy()
+        return RandomPolicy(seed)
     if mode == "least-loaded":
         return LeastLoadedPolicy()
     if mode == "direct":
@@ -27,30 +56,122 @@ def make_policy(mode: str) -> Policy:
     raise ValueError(f"unknown router mode {mode!r}; choose one of {', '.join(MODES)}")
 
 
+def make_router(
+    mode: str,
+    block_size: int = 64,
+    *,
+    kv_events: bool = True,
+    approx_ttl_s: float = 120.0,
+    approx_max_blocks: int = 1_000_000,
+    seed: int | None = None,
+    router_id: str | None = None,
+    **cost_params: Any,
+) -> Router:
+    """A router for `mode`. In `kv` mode, `kv_events=False` predicts caches from decisions
+    (`ApproxIndexer`); `cost_params` are `CostParams` fields (overlap_weight, temperature, ...)."""
+    index: KvIndexer | ApproxIndexer | None = None
+    if mode == "kv":
+        index = KvIndexer() if kv_events else ApproxIndexer(approx_ttl_s, approx_max_blocks)
+    params = CostParams(**cost_params)
+    policy = make_policy(mode, index=index, block_size=block_size, params=params, seed=seed)
+    return Router(policy, block_size=block_size, index=index, router_id=router_id, mode=mode)
+
+
 class Router:
-    def __init__(self, policy: Policy) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        block_size: int = 64,
+        index: KvIndexer | ApproxIndexer | None = None,
+        router_id: str | None = None,
+        mode: str = "custom",
+    ) -> None:
         self.policy = policy
-        self.workers: dict[str, WorkerLoad] = {}
+        self.index = index
+        self.mode = mode
+        self.block_size = block_size
+        self.loads = LoadTracker(router_id or uuid.uuid4().hex, block_size)
+        self.workers = self.loads.workers
+        # Set by the subscriber to share in-flight load with replica routers.
+        self.on_inflight: Callable[[InflightUpdate], None] | None = None
+        self._decisions = metrics.DECISIONS.labels(mode)
+
+    # ------------------------------------------------------------------ workers
 
     def add_worker(self, worker_id: str, total_blocks: int = 0) -> None:
-        self.workers.setdefault(worker_id, WorkerLoad(total_blocks=total_blocks))
+        self.loads.add_worker(worker_id, total_blocks)
+        if self.index is not None:
+            self.index.add_worker(worker_id)
 
     def remove_worker(self, worker_id: str) -> None:
-        self.workers.pop(worker_id, None)
+        self.loads.remove_worker(worker_id)
+        if self.index is not None:
+            self.index.remove_worker(worker_id)
 
     def set_draining(self, worker_id: str, draining: bool) -> None:
         if worker_id in self.workers:
             self.workers[worker_id].draining = draining
 
+    # ------------------------------------------------------------------ requests
+
     def select(self, request: RouteRequest) -> Decision:
+        started = time.perf_counter()
         candidates = {w: load for w, load in self.workers.items() if not load.draining}
         if not candidates:
             raise NoWorkerAvailable("no worker is available for this model")
         decision = self.policy.select(request, candidates)
-        self.workers[decision.worker_id].active_requests += 1
+        update = self.loads.on_routed(decision.worker_id, request)
+        if self.on_inflight is not None:
+            self.on_inflight(update)
+        self._decisions.inc()
+        metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
+        metrics.PROMPT_BLOCKS.inc(len(request.block_hashes))
+        metrics.CHOSEN_OVERLAP_BLOCKS.inc(decision.overlap_blocks)
+        metrics.BEST_OVERLAP_BLOCKS.inc(decision.best_overlap_blocks)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "route %s -> %s overlap=%d/%d best=%d cost=%.1f",
+                request.request_id,
+                decision.worker_id,
+                decision.overlap_blocks,
+                len(request.block_hashes),
+                decision.best_overlap_blocks,
+                decision.cost,
+            )
         return decision
 
-    def on_finish(self, worker_id: str) -> None:
-        load = self.workers.get(worker_id)
-        if load is not None and load.active_requests > 0:
-            load.active_requests -= 1
+    def on_finish(self, worker_id: str, request_id: str | None = None) -> None:
+        """A request ended. Pass its id so its exact blocks are released; without one the
+        oldest request on that worker is."""
+        update = self.loads.on_finish(worker_id, request_id)
+        if update is not None and self.on_inflight is not None:
+            self.on_inflight(update)
+
+    # ------------------------------------------------------------------ event plane
+
+    def apply_kv_batch(self, batch: KvEventBatch) -> bool:
+        """True when the worker needs a resync from its snapshot."""
+        if not isinstance(self.index, KvIndexer):
+            return False
+        if batch.worker_id not in self.workers:
+            return False  # not (or no longer) in discovery: a late event from a dead worker
+        before = self.index.events_applied
+        gap = self.index.apply_batch(batch)
+        metrics.KV_EVENTS.inc(self.index.events_applied - before)
+        return gap
+
+    def apply_kv_snapshot(self, snapshot: KvSnapshot) -> bool:
+        """True when a gap remains after the snapshot (fetch another)."""
+        if not isinstance(self.index, KvIndexer) or snapshot.worker_id not in self.workers:
+            return False
+        return self.index.apply_snapshot(snapshot)
+
+    def needs_resync(self) -> list[str]:
+        return self.index.needs_resync() if self.index is not None else []
+
+    def apply_load(self, report: LoadReport) -> None:
+        self.loads.apply_report(report)
+
+    def apply_inflight(self, update: InflightUpdate) -> None:
+        self.loads.apply_peer(update)

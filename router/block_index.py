@@ -1,0 +1,217 @@
+"""A flat map from sequence hash to the workers that cache the block, per tier.
+
+A sequence hash names a block together with its whole prefix, so no tree is needed: a
+worker's longest cached prefix of a request is how far along the request's hashes the
+worker keeps appearing. Each worker gets a slot (a bit position); each hash maps to an int
+bitmask of slots, so one dict lookup and one AND per request block answer for all workers
+at once, and the walk stops as soon as no worker matches any more.
+
+Blocks held in a lower tier (host, disk, remote) but not on the device also set a bit in
+`_lower`, so the walk can count them apart. That map is empty unless a KVBM publishes
+lower-tier events, and the common device-only path never touches it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from orchestrator.runtime.protocol import Tier
+
+TIERS: tuple[Tier, ...] = ("device", "host", "disk", "remote")
+
+
+@dataclass(slots=True)
+class Matches:
+    """Per worker: cached prefix length in blocks, and how many of those sit in a lower tier.
+    Workers with no match are absent."""
+
+    blocks: dict[str, int] = field(default_factory=dict)
+    lower: dict[str, int] = field(default_factory=dict)
+
+
+class _WorkerBlocks:
+    __slots__ = ("lower_count", "slot", "tiers")
+
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+        self.tiers: dict[str, set[int]] = {tier: set() for tier in TIERS}
+        self.lower_count = 0  # blocks held in lower tiers; 0 keeps the fast paths on
+
+    def holds_lower(self, seq_hash: int) -> bool:
+        return any(seq_hash in self.tiers[t] for t in TIERS[1:])
+
+
+class BlockIndex:
+    def __init__(self) -> None:
+        self._workers: dict[str, _WorkerBlocks] = {}
+        self._slot_ids: list[str | None] = []
+        self._free_slots: list[int] = []
+        self._any: dict[int, int] = {}  # seq hash -> slots holding it in any tier
+        self._lower: dict[int, int] = {}  # seq hash -> slots holding it only below the device
+
+    # ------------------------------------------------------------------ workers
+
+    def add_worker(self, worker_id: str) -> None:
+        if worker_id in self._workers:
+            return
+        if self._free_slots:
+            slot = self._free_slots.pop()
+            self._slot_ids[slot] = worker_id
+        else:
+            slot = len(self._slot_ids)
+            self._slot_ids.append(worker_id)
+        self._workers[worker_id] = _WorkerBlocks(slot)
+
+    def remove_worker(self, worker_id: str) -> None:
+        if worker_id not in self._workers:
+            return
+        self.clear_worker(worker_id)
+        slot = self._workers.pop(worker_id).slot
+        self._slot_ids[slot] = None
+        self._free_slots.append(slot)
+
+    def clear_worker(self, worker_id: str) -> None:
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return
+        keep = ~(1 << worker.slot)
+        for maps in (self._any, self._lower):
+            for tier_blocks in worker.tiers.values():
+                for seq_hash in tier_blocks:
+                    mask = maps.get(seq_hash)
+                    if mask is None:
+                        continue
+                    if mask & keep:
+                        maps[seq_hash] = mask & keep
+                    else:
+                        del maps[seq_hash]
+        for tier_blocks in worker.tiers.values():
+            tier_blocks.clear()
+        worker.lower_count = 0
+
+    def workers(self) -> list[str]:
+        return list(self._workers)
+
+    # ------------------------------------------------------------------ blocks
+
+    def store(self, worker_id: str, blocks: Iterable[int], tier: Tier = "device") -> None:
+        self.add_worker(worker_id)
+        worker = self._workers[worker_id]
+        if tier == "device" and worker.lower_count == 0:
+            bit = 1 << worker.slot
+            any_ = self._any
+            held = worker.tiers["device"]
+            for seq_hash in blocks:
+                any_[seq_hash] = any_.get(seq_hash, 0) | bit
+                held.add(seq_hash)
+            return
+        for seq_hash in blocks:
+            held = worker.tiers[tier]
+            if seq_hash not in held:
+                held.add(seq_hash)
+                worker.lower_count += tier != "device"
+            self._refresh(worker, seq_hash)
+
+    def remove(self, worker_id: str, blocks: Iterable[int], tier: Tier = "device") -> None:
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return
+        if tier == "device" and worker.lower_count == 0:
+            keep = ~(1 << worker.slot)
+            any_ = self._any
+            held = worker.tiers["device"]
+            for seq_hash in blocks:
+                if seq_hash in held:
+                    held.discard(seq_hash)
+                    mask = any_[seq_hash] & keep
+                    if mask:
+                        any_[seq_hash] = mask
+                    else:
+                        del any_[seq_hash]
+            return
+        for seq_hash in blocks:
+            held = worker.tiers[tier]
+            if seq_hash in held:
+                held.discard(seq_hash)
+                worker.lower_count -= tier != "device"
+                self._refresh(worker, seq_hash)
+
+    def _refresh(self, worker: _WorkerBlocks, seq_hash: int) -> None:
+        """Recompute one (worker, block) pair's bits from the worker's tier sets."""
+        bit = 1 << worker.slot
+        on_device = seq_hash in worker.tiers["device"]
+        lower = worker.holds_lower(seq_hash)
+        for maps, wanted in ((self._any, on_device or lower), (self._lower, lower and not on_device)):
+            mask = maps.get(seq_hash, 0)
+            mask = mask | bit if wanted else mask & ~bit
+            if mask:
+                maps[seq_hash] = mask
+            else:
+                maps.pop(seq_hash, None)
+
+    def blocks_of(self, worker_id: str) -> dict[str, set[int]]:
+        """A copy of one worker's blocks by tier (tiers it holds nothing in are left out)."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return {}
+        return {tier: set(held) for tier, held in worker.tiers.items() if held}
+
+    def __len__(self) -> int:
+        return len(self._any)
+
+    # ------------------------------------------------------------------ lookups
+
+    def find_matches(self, hashes: Sequence[int]) -> Matches:
+        """Longest cached prefix of `hashes` per worker."""
+        out = Matches()
+        if not hashes:
+            return out
+        get = self._any.get
+        ids = self._slot_ids
+        alive = get(hashes[0], 0)
+        if not alive:
+            return out
+        if self._lower:
+            return self._find_with_tiers(hashes, alive, out)
+        for depth, seq_hash in enumerate(hashes):
+            mask = get(seq_hash, 0) & alive
+            if mask != alive:
+                _record(out.blocks, ids, alive & ~mask, depth)
+                alive = mask
+                if not alive:
+                    return out
+        _record(out.blocks, ids, alive, len(hashes))
+        return out
+
+    def _find_with_tiers(self, hashes: Sequence[int], alive: int, out: Matches) -> Matches:
+        get = self._any.get
+        get_lower = self._lower.get
+        ids = self._slot_ids
+        lower_counts: dict[int, int] = {}
+        for depth, seq_hash in enumerate(hashes):
+            mask = get(seq_hash, 0) & alive
+            if mask != alive:
+                _record(out.blocks, ids, alive & ~mask, depth)
+                alive = mask
+                if not alive:
+                    break
+            lower = get_lower(seq_hash, 0) & alive
+            while lower:
+                low = lower & -lower
+                slot = low.bit_length() - 1
+                lower_counts[slot] = lower_counts.get(slot, 0) + 1
+                lower ^= low
+        else:
+            _record(out.blocks, ids, alive, len(hashes))
+        out.lower = {ids[slot] or "": n for slot, n in lower_counts.items()}
+        return out
+
+
+def _record(into: dict[str, int], ids: list[str | None], mask: int, depth: int) -> None:
+    while mask:
+        low = mask & -mask
+        worker_id = ids[low.bit_length() - 1]
+        if worker_id is not None:
+            into[worker_id] = depth
+        mask ^= low

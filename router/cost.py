@@ -1,0 +1,83 @@
+"""The KV router's cost model and selection, as pure functions.
+
+    cost(w) = overlap_weight * prefill_blocks(w) + active_blocks(w)
+    prefill_blocks(w) = request_blocks - (device_hits(w) + lower_tier_credit * lower_hits(w))
+
+`prefill_blocks` is the prompt work the worker would still have to compute: blocks it holds
+on the device are free, blocks in host/disk/remote tiers cost a fraction (they must be
+onboarded). `active_blocks` is the KV the worker is already decoding with, a proxy for how
+slow its decode steps are. A larger `overlap_weight` favours cache hits over balance.
+
+Temperature 0 takes the cheapest worker; ties go to the least loaded, then to a seeded
+random choice (so equal workers share the ties rather than the first id taking them all).
+Temperature T > 0 samples p(w) ∝ exp(-(c(w) - c_min) / ((c_max - c_min) * T)).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class CostParams:
+    overlap_weight: float = 1.0
+    temperature: float = 0.0
+    lower_tier_credit: float = 0.5  # a host/disk/remote hit saves this fraction of a device hit
+    busy_kv_fraction: float = 0.95  # a worker whose reported KV use is above this is busy
+    busy_waiting_requests: int = 0  # > 0: a worker with more waiting requests is busy
+
+    def __post_init__(self) -> None:
+        if self.overlap_weight < 0 or self.temperature < 0:
+            raise ValueError("overlap_weight and temperature must be >= 0")
+        if not 0.0 <= self.lower_tier_credit <= 1.0:
+            raise ValueError("lower_tier_credit must be within [0, 1]")
+        if not 0.0 < self.busy_kv_fraction <= 1.0:
+            raise ValueError("busy_kv_fraction must be within (0, 1]")
+
+
+def cached_blocks(hit_blocks: int, lower_hit_blocks: int, params: CostParams) -> float:
+    """Credited prefix hits: `hit_blocks` counts every cached prefix block, of which
+    `lower_hit_blocks` sit off the device and count `lower_tier_credit` each."""
+    return hit_blocks - (1.0 - params.lower_tier_credit) * lower_hit_blocks
+
+
+def costs(
+    request_blocks: float, cached: Sequence[float], active: Sequence[int], params: CostParams
+) -> list[float]:
+    """The cost of each candidate from parallel lists of credited hits and active blocks
+    (the per-decision hot loop, so it makes no calls per worker)."""
+    weight = params.overlap_weight
+    return [
+        weight * (request_blocks - c if request_blocks > c else 0.0) + a
+        for c, a in zip(cached, active, strict=True)
+    ]
+
+
+def is_busy(blocks: int, total_blocks: int, waiting_requests: int, params: CostParams) -> bool:
+    if total_blocks and blocks > params.busy_kv_fraction * total_blocks:
+        return True
+    return 0 < params.busy_waiting_requests < waiting_requests
+
+
+def choose(costs: Sequence[float], loads: Sequence[int], temperature: float, rng: random.Random) -> int:
+    """Index of the chosen candidate (`costs` is not empty)."""
+    if temperature > 0:
+        return _sample(costs, temperature, rng)
+    best = min(costs)
+    tied = [i for i, c in enumerate(costs) if c == best]
+    if len(tied) > 1:
+        least = min(loads[i] for i in tied)
+        tied = [i for i in tied if loads[i] == least]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
+def _sample(costs: Sequence[float], temperature: float, rng: random.Random) -> int:
+    low, high = min(costs), max(costs)
+    if high == low:
+        return rng.randrange(len(costs))
+    scale = (high - low) * temperature
+    weights = [math.exp(-(c - low) / scale) for c in costs]
+    return rng.choices(range(len(costs)), weights=weights)[0]

@@ -1,0 +1,148 @@
+"""Per-worker load: workers' load reports plus the requests routers have in flight.
+
+Reports arrive about once a second, so between them the router counts what it sent itself:
+each in-flight request's prompt blocks, with blocks shared by several requests on one
+worker counted once (they share KV on the worker too). Replica routers publish their own
+sends and finishes (`InflightUpdate`), counted here by block totals; an update from a
+replica that died without finishing its requests expires after `peer_ttl_s`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from orchestrator.runtime.protocol import LoadReport
+from router.protocols import InflightUpdate, RouteRequest, WorkerLoad
+
+
+@dataclass(slots=True)
+class _Request:
+    worker_id: str
+    hashes: list[int]
+    tail_blocks: int  # prompt blocks without a hash (the partial last one)
+
+
+@dataclass(slots=True)
+class _PeerRequest:
+    worker_id: str
+    blocks: int
+    seen_at: float
+
+
+class LoadTracker:
+    def __init__(
+        self,
+        router_id: str,
+        block_size: int,
+        peer_ttl_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.router_id = router_id
+        self.block_size = block_size
+        self.peer_ttl_s = peer_ttl_s
+        self._clock = clock
+        self.workers: dict[str, WorkerLoad] = {}
+        self._requests: dict[str, _Request] = {}
+        self._held: dict[str, dict[int, int]] = {}  # worker -> seq hash -> in-flight requests
+        self._peers: dict[tuple[str, str], _PeerRequest] = {}
+
+    def add_worker(self, worker_id: str, total_blocks: int = 0) -> WorkerLoad:
+        load = self.workers.setdefault(worker_id, WorkerLoad(total_blocks=total_blocks))
+        self._held.setdefault(worker_id, {})
+        return load
+
+    def remove_worker(self, worker_id: str) -> None:
+        self.workers.pop(worker_id, None)
+        self._held.pop(worker_id, None)
+        for request_id in [r for r, req in self._requests.items() if req.worker_id == worker_id]:
+            del self._requests[request_id]
+        for key in [k for k, peer in self._peers.items() if peer.worker_id == worker_id]:
+            del self._peers[key]
+
+    def apply_report(self, report: LoadReport) -> None:
+        load = self.workers.get(report.worker_id)
+        if load is None:
+            return  # discovery, not load reports, decides which workers exist
+        load.active_requests = report.active_requests
+        load.waiting_requests = report.waiting_requests
+        load.active_blocks = report.active_blocks
+        load.total_blocks = report.total_blocks or load.total_blocks
+        load.draining = load.draining or report.draining
+
+    # ------------------------------------------------------------------ own requests
+
+    def on_routed(self, worker_id: str, request: RouteRequest) -> InflightUpdate:
+        if request.request_id in self._requests:  # a retried id: release the first placement
+            self.on_finish(self._requests[request.request_id].worker_id, request.request_id)
+        hashes = request.block_hashes
+        total = -(-request.num_tokens // self.block_size)
+        tail = max(total - len(hashes), 0)
+        self._requests[request.request_id] = _Request(worker_id, hashes, tail)
+        held = self._held[worker_id]
+        load = self.workers[worker_id]
+        new = 0
+        for seq_hash in hashes:
+            n = held.get(seq_hash, 0)
+            held[seq_hash] = n + 1
+            new += n == 0
+        load.inflight_requests += 1
+        load.inflight_blocks += new + tail
+        return InflightUpdate(
+            router_id=self.router_id, worker_id=worker_id, request_id=request.request_id, blocks=new + tail
+        )
+
+    def on_finish(self, worker_id: str, request_id: str | None = None) -> InflightUpdate | None:
+        if request_id is None:
+            # Callers that do not name the request: release the oldest one on that worker.
+            request_id = next((r for r, req in self._requests.items() if req.worker_id == worker_id), None)
+        request = self._requests.pop(request_id, None) if request_id is not None else None
+        load = self.workers.get(worker_id)
+        if request is None or load is None or request_id is None:
+            return None
+        held = self._held[worker_id]
+        freed = request.tail_blocks
+        for seq_hash in request.hashes:
+            n = held[seq_hash] - 1
+            if n:
+                held[seq_hash] = n
+            else:
+                del held[seq_hash]
+                freed += 1
+        load.inflight_requests -= 1
+        load.inflight_blocks -= freed
+        return InflightUpdate(
+            router_id=self.router_id, worker_id=worker_id, request_id=request_id, blocks=freed, done=True
+        )
+
+    # ------------------------------------------------------------------ replicas
+
+    def apply_peer(self, update: InflightUpdate) -> None:
+        if update.router_id == self.router_id:
+            return  # our own message, echoed by the event plane
+        self._expire_peers()
+        key = (update.router_id, update.request_id)
+        load = self.workers.get(update.worker_id)
+        if update.done:
+            peer = self._peers.pop(key, None)
+            if peer is not None and load is not None:
+                load.inflight_requests -= 1
+                load.inflight_blocks -= peer.blocks
+        elif load is not None and key not in self._peers:
+            self._peers[key] = _PeerRequest(update.worker_id, update.blocks, self._clock())
+            load.inflight_requests += 1
+            load.inflight_blocks += update.blocks
+
+    def _expire_peers(self) -> None:
+        cutoff = self._clock() - self.peer_ttl_s
+        # Insertion order is arrival order, so the stale ones are at the front.
+        while self._peers:
+            key, peer = next(iter(self._peers.items()))
+            if peer.seen_at > cutoff:
+                return
+            del self._peers[key]
+            load = self.workers.get(peer.worker_id)
+            if load is not None:
+                load.inflight_requests -= 1
+                load.inflight_blocks -= peer.blocks

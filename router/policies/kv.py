@@ -1,0 +1,64 @@
+"""KV-aware routing: send a request where its prompt is cached, unless that worker is loaded.
+
+For each candidate the index gives the cached prefix length; `router.cost` turns it and the
+worker's active blocks into a cost and picks one. Workers above the busy thresholds are left
+out unless all are busy (then the request queues on the cheapest rather than failing).
+The index is either the event-fed `KvIndexer` or, for engines without KV events, the
+`ApproxIndexer` that learns from these decisions via `on_routed`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from router.block_index import Matches
+from router.cost import CostParams, cached_blocks, choose, costs, is_busy
+from router.protocols import Decision, RouteRequest, WorkerLoad
+
+
+class OverlapIndex(Protocol):
+    def find_matches(self, hashes: Sequence[int]) -> Matches: ...
+
+    def on_routed(self, worker_id: str, hashes: Sequence[int]) -> None: ...
+
+
+class KvPolicy:
+    def __init__(
+        self, index: OverlapIndex, block_size: int, params: CostParams, seed: int | None = None
+    ) -> None:
+        self.index = index
+        self.block_size = block_size
+        self.params = params
+        self._rng = random.Random(seed)
+
+    def select(self, request: RouteRequest, workers: Mapping[str, WorkerLoad]) -> Decision:
+        matches = self.index.find_matches(request.block_hashes)
+        params = self.params
+        pool = list(workers)
+        active = [load.blocks for load in workers.values()]
+        if any(load.total_blocks for load in workers.values()):
+            free = [
+                i
+                for i, (load, blocks) in enumerate(zip(workers.values(), active, strict=True))
+                if not is_busy(blocks, load.total_blocks, load.waiting_requests, params)
+            ]
+            if 0 < len(free) < len(pool):  # all busy: queue on the cheapest rather than fail
+                pool = [pool[i] for i in free]
+                active = [active[i] for i in free]
+        hits, lower = matches.blocks, matches.lower
+        if lower:
+            cached = [cached_blocks(hits.get(w, 0), lower.get(w, 0), params) for w in pool]
+        else:
+            cached = [hits.get(w, 0) for w in pool]
+        worker_costs = costs(request.num_tokens / self.block_size, cached, active, params)
+        index = choose(worker_costs, active, params.temperature, self._rng)
+        chosen = pool[index]
+        self.index.on_routed(chosen, request.block_hashes)
+        return Decision(
+            worker_id=chosen,
+            overlap_blocks=hits.get(chosen, 0),
+            cost=worker_costs[index],
+            best_overlap_blocks=max(hits.values(), default=0),
+        )

@@ -41,3 +41,13 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
+
+
+@dataclass(slots=True)
+class SeqOutput:
+    """What one step did for one sequence, from `Scheduler.postprocess`: the tokens it gained
+    (already appended to `seq.token_ids`) and whether it is now finished (`seq.finish_reason`)."""
+
+    seq: Sequence
+    new_tokens: list[SampledToken]
+    finished: bool

@@ -26,6 +26,7 @@ class Sequence:
         "num_cached_tokens",
         "num_computed_tokens",
         "num_prompt_tokens",
+        "num_registered_blocks",
         "request",
         "request_id",
         "status",
@@ -43,6 +44,8 @@ class Sequence:
         self.block_hashes: list[int] = list(request.block_hashes)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (for usage)
+        # Leading entries of block_table already offered to the prefix cache (BlockManager).
+        self.num_registered_blocks = 0
         self.finish_reason: str | None = None
 
     def __len__(self) -> int:

@@ -1,0 +1,225 @@
+"""Continuous batching, the vLLM v1 way: one token budget per step shared by decodes and
+(chunked) prefills, running sequences first, then waiting ones.
+
+Order is (priority, arrival): lower priority values go first, as in vLLM; with every request
+at the default priority this is plain FCFS. `running` is kept sorted by that key, so the
+sequence to preempt when blocks run out is always its last one, which has not been scheduled
+yet in the current step. Preemption is by recompute: the victim's blocks are freed, it goes
+back to waiting with its tokens, and the prefix cache usually gives most of its KV back.
+
+Nothing here touches torch; the model runner reads each ScheduledChunk and `seq.block_table`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import insort
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+
+from backends.deepinfer.block_manager import BlockManager
+from backends.deepinfer.config import EngineConfig
+from backends.deepinfer.outputs import SampledToken, ScheduledChunk, SchedulerOutput, SeqOutput
+from backends.deepinfer.sequence import Sequence, SequenceStatus
+from orchestrator.runtime.protocol import WorkerRequest
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        eos_token_ids: Iterable[int] = (),
+        max_model_len: int | None = None,
+    ) -> None:
+        self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.max_model_len = max_model_len or config.max_model_len or None
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: list[tuple[int, int, Sequence]] = []  # heap of (priority, arrival, seq)
+        self.running: list[Sequence] = []  # sorted by (priority, arrival)
+        self._order: dict[str, tuple[int, int]] = {}  # request_id -> (priority, arrival)
+        self._seqs: dict[str, Sequence] = {}
+        self._arrivals = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def add(self, request: WorkerRequest) -> Sequence:
+        """Queue a request; ValueError (with a message for the client) if it can never run."""
+        self._validate(request)
+        seq = Sequence(request)
+        del seq.block_hashes[len(seq) // self.block_size :]  # only the prompt's full blocks
+        self._arrivals += 1
+        key = (request.priority, self._arrivals)
+        self._order[seq.request_id] = key
+        self._seqs[seq.request_id] = seq
+        heapq.heappush(self.waiting, (*key, seq))
+        return seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Drop a request wherever it is and free its blocks at once; None if unknown."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting = [entry for entry in self.waiting if entry[2] is not seq]
+            heapq.heapify(self.waiting)
+        self._finish(seq, "abort")
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def queued_prefill_tokens(self) -> int:
+        """Tokens still to prefill: waiting sequences whole, running ones' unfinished prompts."""
+        waiting = sum(len(entry[2]) for entry in self.waiting)
+        running = sum(max(0, s.num_prompt_tokens - s.num_computed_tokens) for s in self.running)
+        return waiting + running
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        # As vLLM: a step that had to preempt admits nobody new, or it would thrash.
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(len(seq) - seq.num_computed_tokens, budget)
+            if not self._make_room(seq, n, out):
+                break  # seq itself was preempted; everything after it already was
+            self.block_manager.allocate(seq, n)
+            out.chunks.append(self._chunk(seq, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Preempt from the back of `running` until `seq` fits; False if `seq` itself went."""
+        while not self.block_manager.can_allocate(seq, num_tokens):
+            victim = self.running.pop()
+            self.block_manager.deallocate(victim)
+            victim.status = SequenceStatus.WAITING
+            heapq.heappush(self.waiting, (*self._order[victim.request_id], victim))
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0][2]
+            prefix = bm.match_prefix(seq)
+            n = len(seq) - len(prefix) * self.block_size
+            if n > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                n = budget
+            if not bm.can_allocate(seq, n, prefix):
+                break  # strict order: nobody overtakes the head of the queue
+            heapq.heappop(self.waiting)
+            bm.allocate(seq, n, prefix)
+            seq.status = SequenceStatus.RUNNING
+            insort(self.running, seq, key=self._key)
+            out.chunks.append(self._chunk(seq, n))
+            budget -= n
+
+    @staticmethod
+    def _chunk(seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        return ScheduledChunk(seq, start, num_tokens, start + num_tokens == len(seq))
+
+    def postprocess(self, out: SchedulerOutput, sampled: Seq[SampledToken]) -> list[SeqOutput]:
+        """Apply a finished step: `sampled` holds one token per chunk with `sample=True`, in
+        chunk order. Appends tokens, applies stop conditions, frees finished sequences."""
+        results: list[SeqOutput] = []
+        tokens = iter(sampled)
+        any_finished = False
+        bm = self.block_manager
+        for chunk in out.chunks:
+            seq = chunk.seq
+            token = next(tokens) if chunk.sample else None
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += chunk.num_tokens
+            bm.cache_full_blocks(seq)
+            if token is None:
+                continue
+            seq.token_ids.append(token.token_id)
+            reason = self._stop_reason(seq, token.token_id)
+            if reason is not None:
+                self._finish(seq, reason)
+                any_finished = True
+            results.append(SeqOutput(seq, [token], reason is not None))
+        if any_finished:
+            self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+        return results
+
+    # ------------------------------------------------------------------ helpers
+
+    def _key(self, seq: Sequence) -> tuple[int, int]:
+        return self._order[seq.request_id]
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
+        request = seq.request
+        generated = seq.num_completion_tokens
+        if generated >= request.min_tokens and (
+            token_id in request.stop_token_ids or (not request.ignore_eos and token_id in self.eos_token_ids)
+        ):
+            return "stop"
+        if generated >= request.max_tokens or (self.max_model_len and len(seq) >= self.max_model_len):
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self._seqs[seq.request_id]
+        del self._order[seq.request_id]
+
+    def _validate(self, request: WorkerRequest) -> None:
+        if request.request_id in self._seqs:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if not request.token_ids:
+            raise ValueError("the prompt is empty")
+        if request.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
+        if request.min_tokens < 0 or request.min_tokens > request.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {request.min_tokens}")
+        prompt = len(request.token_ids)
+        if self.max_model_len and prompt >= self.max_model_len:
+            raise ValueError(f"the prompt has {prompt} tokens; this model's limit is {self.max_model_len}")
+        extent = prompt + request.max_tokens
+        if self.max_model_len:
+            extent = min(extent, self.max_model_len)
+        capacity = self.block_manager.num_blocks * self.block_size
+        if extent > capacity:
+            # It could never run even alone: it would preempt itself forever.
+            raise ValueError(
+                f"prompt plus max_tokens is {extent} tokens; this worker's KV cache holds {capacity}"
+            )
+        if not self.enable_chunked_prefill and extent > self.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt plus max_tokens is {extent} tokens, over the {self.max_num_batched_tokens}-token "
+                "step budget (chunked prefill is off)"
+            )

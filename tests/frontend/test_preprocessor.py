@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from backends.deepinfer import tiny
 from orchestrator.frontend.preprocessor import Preprocessor
 from tests.frontend.tokenizer_dirs import build_chatml, build_llama
 
@@ -28,10 +29,14 @@ CONVERSATIONS = [
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tokenizers")
-    return {"chatml": build_chatml(root / "chatml"), "llama": build_llama(root / "llama")}
+    return {
+        "chatml": build_chatml(root / "chatml"),
+        "llama": build_llama(root / "llama"),
+        "tiny": tiny.build_tokenizer(root / "tiny"),  # the tokenizer of DeepInfer's test checkpoints
+    }
 
 
-@pytest.mark.parametrize("kind", ["chatml", "llama"])
+@pytest.mark.parametrize("kind", ["chatml", "llama", "tiny"])
 @pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_prompt_and_ids_match_transformers(
@@ -115,7 +120,7 @@ def test_model_without_template_rejects_chat(tmp_path: Path) -> None:
         Preprocessor.load(model).render_chat(CONVERSATIONS[0])
 
 
-@pytest.mark.parametrize("kind", ["chatml", "llama"])
+@pytest.mark.parametrize("kind", ["chatml", "llama", "tiny"])
 @pytest.mark.parametrize("text", ["Hello world", "日本語 é 🎉 mixed ascii", "a\n\tb  c", "x" * 300])
 def test_round_trip_and_ids_match_transformers(dirs: dict[str, Path], kind: str, text: str) -> None:
     reference = AutoTokenizer.from_pretrained(str(dirs[kind]))
@@ -162,3 +167,27 @@ def test_load_is_cached_per_path_and_checks_the_directory(dirs: dict[str, Path],
     assert Preprocessor.load(dirs["chatml"]) is Preprocessor.load(str(dirs["chatml"]) + "/.")
     with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
         Preprocessor.load(tmp_path)
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers() -> None:
+    """The default model's tokenizer, converted from its GGUF, against transformers reading the same files."""
+    from backends.deepinfer.smollm2 import ensure_default_model
+
+    model = ensure_default_model()
+    reference = AutoTokenizer.from_pretrained(str(model))
+    pre = Preprocessor.load(model)
+    for messages in CONVERSATIONS:
+        prompt = pre.render_chat(messages)
+        assert prompt == reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert pre.encode(prompt, add_special_tokens=False) == list(
+            reference.apply_chat_template(
+                messages, tokenize=True, add_generation_prompt=True, return_dict=False
+            )
+        )
+    text = "What is the capital of France? 日本語 🎉"
+    ids = pre.encode(text, add_special_tokens=True)
+    assert ids == reference.encode(text, add_special_tokens=True)
+    detok = pre.detokenizer()
+    assert "".join(detok.step([i]) for i in ids) == text
+    assert reference.convert_ids_to_tokens(pre.eos_token_ids[0]) == "<|im_end|>"

@@ -57,7 +57,10 @@ def build_chatml(out: Path) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=600, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=600,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
     out.mkdir(parents=True, exist_ok=True)
@@ -83,7 +86,9 @@ def build_llama(out: Path) -> Path:
     tok = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="▁", behavior="merged_with_next")
-    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=special, limit_alphabet=80)
+    trainer = trainers.BpeTrainer(
+        vocab_size=500, special_tokens=special, limit_alphabet=80, show_progress=False
+    )
     tok.train_from_iterator(CORPUS, trainer)
     # Byte fallback needs the 256 <0xNN> tokens in the vocabulary as ordinary tokens.
     spec = json.loads(tok.to_str())

@@ -1,0 +1,165 @@
+"""The FastAPI app: state created once, thin routes, one error mapping.
+
+`/v1/chat/completions` and `/v1/completions` are plain-ASGI endpoints (`GenerationRoute`): they
+stream with direct ASGI sends and cancel the request when the client hangs up. The other
+routes are ordinary FastAPI handlers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.routing import Route
+
+from orchestrator.frontend.asgi import DONE_EVENT, ClientGone, Exchange, Receive, Scope, Send, read_body
+from orchestrator.frontend.config import FrontendConfig
+from orchestrator.frontend.errors import FrontendError, InvalidRequest, error_body, to_frontend_error
+from orchestrator.frontend.metrics import Metrics
+from orchestrator.frontend.registry import ClientFactory, ModelRegistry
+from orchestrator.frontend.responses import ModelInfo, ModelList
+from orchestrator.frontend.serving import Serving
+from orchestrator.runtime.discovery import Discovery
+from orchestrator.runtime.events import EventPlane
+
+log = logging.getLogger("weir.frontend")
+Endpoint = Literal["chat", "completions"]
+_CLIENT_CLOSED = 499  # nginx's status for a client that hung up; only ever counted, never sent
+
+
+@dataclass(slots=True)
+class FrontendState:
+    config: FrontendConfig
+    metrics: Metrics
+    registry: ModelRegistry
+    serving: Serving
+    discovery: Discovery
+    on_close: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+
+class GenerationRoute:
+    """A plain-ASGI endpoint around one `Serving` method."""
+
+    def __init__(self, state: FrontendState, endpoint: Endpoint) -> None:
+        self.state = state
+        self.endpoint = endpoint
+        self.handler = state.serving.chat if endpoint == "chat" else state.serving.completions
+        self.inflight = state.metrics.inflight_by_endpoint[endpoint]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        metrics = self.state.metrics
+        ex = Exchange(send)
+        self.inflight.inc()
+        try:
+            body = await read_body(scope, receive, self.state.config.max_body_bytes)
+            ex.watch_disconnect(receive)
+            await self.handler(body, ex)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not ex.disconnected or task is None:
+                raise
+            task.uncancel()  # our own watcher cancelled us: the client is gone, not the server
+            ex.status = _CLIENT_CLOSED
+            metrics.disconnects.inc()
+        except ClientGone:
+            ex.status = _CLIENT_CLOSED
+            metrics.disconnects.inc()
+        except Exception as exc:
+            err = to_frontend_error(exc)
+            metrics.errors.labels(err.type).inc()
+            if not ex.started:
+                await ex.json(err.status, error_body(err))
+            elif not ex.finished:  # mid-stream: the status is sent already, report in the stream
+                await ex.finish(b"data: " + error_body(err) + b"\n\n" + DONE_EVENT)
+        finally:
+            await ex.close()
+            self.inflight.dec()
+            metrics.request_done(self.endpoint, ex.status)
+
+
+def build_app(
+    config: FrontendConfig,
+    discovery: Discovery,
+    client_factory: ClientFactory,
+    events: EventPlane | None = None,
+) -> FastAPI:
+    """The frontend app. Its lifespan follows `discovery` for workers; `client_factory` makes
+    the client for each discovered worker (see server.make_client_factory)."""
+    metrics = Metrics()
+    registry = ModelRegistry(config, client_factory, events, metrics)
+    state = FrontendState(config, metrics, registry, Serving(config, registry, metrics), discovery)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        follower = asyncio.create_task(registry.follow(discovery), name="weir-frontend-discovery")
+        try:
+            yield
+        finally:
+            follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await follower
+            await registry.close()
+            for close in state.on_close:
+                await close()
+
+    app = FastAPI(title="Weir", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.frontend = state
+    app.router.routes.append(Route("/v1/chat/completions", GenerationRoute(state, "chat"), methods=["POST"]))
+    app.router.routes.append(
+        Route("/v1/completions", GenerationRoute(state, "completions"), methods=["POST"])
+    )
+    _add_routes(app, state)
+    _add_error_handlers(app)
+    return app
+
+
+def _add_routes(app: FastAPI, state: FrontendState) -> None:
+    @app.get("/v1/models")
+    async def models() -> Response:
+        data = [ModelInfo(e.name, e.created, e.card.context_length) for e in state.registry.models.values()]
+        return Response(msgspec.json.encode(ModelList(data)), media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        workers = state.registry.worker_count
+        body = msgspec.json.encode({"status": "ok" if workers else "no workers", "workers": workers})
+        return Response(body, status_code=200 if workers else 503, media_type="application/json")
+
+    @app.get("/live")
+    async def live() -> Response:
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _error_response(err: FrontendError) -> Response:
+    return Response(error_body(err), status_code=err.status, media_type="application/json")
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def on_frontend_error(request: Request, exc: Exception) -> Response:
+        return _error_response(to_frontend_error(exc))
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        err = FrontendError(str(exc.detail), code=str(exc.status_code))
+        err.status = exc.status_code
+        return _error_response(err)
+
+    async def on_validation_error(request: Request, exc: Exception) -> Response:
+        return _error_response(InvalidRequest(str(exc)))
+
+    app.add_exception_handler(FrontendError, on_frontend_error)
+    app.add_exception_handler(HTTPException, on_http_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)

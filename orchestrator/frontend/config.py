@@ -1,0 +1,40 @@
+"""Frontend settings: one dataclass, checked once at start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ROUTER_MODES = ("kv", "round-robin", "random", "least-loaded")
+
+
+@dataclass(slots=True)
+class FrontendConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    namespace: str = "weir"
+    # The KV-aware router becomes the default once it lands (see routing.build_router).
+    router_mode: str = "round-robin"
+    # Passed through to the router factory (e.g. overlap weight and temperature for `kv`).
+    router_params: dict[str, Any] = field(default_factory=dict)
+    # Wall-clock limit for one request, from arrival to its last token.
+    request_timeout_s: float = 600.0
+    # Bodies larger than this get 413 before they are read into memory.
+    max_body_bytes: int = 10 * 1024 * 1024
+    # Attempts on other workers after a retryable failure before the first token.
+    max_retries: int = 1
+    log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        if self.router_mode not in ROUTER_MODES:
+            raise ValueError(
+                f"unknown router mode {self.router_mode!r}; choose one of {', '.join(ROUTER_MODES)}"
+            )
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.request_timeout_s <= 0:
+            raise ValueError("request_timeout_s must be positive")
+        if self.max_body_bytes <= 0:
+            raise ValueError("max_body_bytes must be positive")
+        if self.max_retries < 0:
+            raise ValueError("max_retries must be >= 0")

@@ -1,0 +1,62 @@
+"""Send one worker request and stream its deltas back, with routing, one retry and cleanup.
+
+A retryable failure (worker gone, connection lost, worker overloaded) before the first delta
+arrived is retried on another worker; after that the client has seen output, so the error is
+surfaced. Whatever happens, the router hears `on_finish` and the worker stream is closed,
+which sends the worker a cancel frame if it is still generating."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator
+
+from orchestrator.frontend.metrics import Metrics
+from orchestrator.frontend.registry import ModelEntry
+from orchestrator.runtime.protocol import TokenDelta, WorkerRequest
+from orchestrator.runtime.request_plane import RemoteError
+from router.protocols import RouteRequest
+from router.router import Router
+
+log = logging.getLogger("weir.frontend")
+
+
+def _select(router: Router, route: RouteRequest, failed: list[str]) -> str:
+    if not failed:
+        return router.select(route).worker_id
+    # The router has no exclusion list: hide the failed workers as draining for this one
+    # synchronous call (no await in between, so no other request sees it).
+    previous = {w: router.workers[w].draining for w in failed if w in router.workers}
+    for worker_id in previous:
+        router.set_draining(worker_id, True)
+    try:
+        return router.select(route).worker_id
+    finally:
+        for worker_id, draining in previous.items():
+            router.set_draining(worker_id, draining)
+
+
+async def generate(
+    entry: ModelEntry, request: WorkerRequest, route: RouteRequest, max_retries: int, metrics: Metrics
+) -> AsyncGenerator[TokenDelta, None]:
+    router = entry.routing.router
+    failed: list[str] = []
+    while True:
+        worker_id = _select(router, route, failed)
+        stream = entry.workers[worker_id].generate(request)
+        streamed = False
+        try:
+            async for delta in stream:
+                streamed = True
+                yield delta
+            return
+        except RemoteError as exc:
+            if streamed or not exc.retryable or len(failed) >= max_retries:
+                raise
+            log.warning(
+                "request %s failed on %s (%s); retrying elsewhere", request.request_id, worker_id, exc
+            )
+            metrics.retries.inc()
+            failed.append(worker_id)
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+            router.on_finish(worker_id, route.request_id)

@@ -1,0 +1,93 @@
+"""Prometheus metrics for the frontend, on a registry per app (no process globals).
+
+Label lookups happen once per model (`ModelMetrics`) or once per request, never per token:
+the streaming path only touches pre-bound children."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0)
+_ENDPOINTS = ("chat", "completions")
+
+
+class ModelMetrics:
+    """Children of the per-model series, bound once when the model appears."""
+
+    def __init__(self, metrics: Metrics, model: str) -> None:
+        self.ttft = metrics.ttft.labels(model)
+        self.itl = metrics.itl.labels(model)
+        self.e2e = metrics.e2e.labels(model)
+        self.input_tokens = metrics.input_tokens.labels(model)
+        self.output_tokens = metrics.output_tokens.labels(model)
+        self.cached_tokens = metrics.cached_tokens.labels(model)
+
+    def finished(self, ttft: float | None, e2e: float, prompt: int, completion: int, cached: int) -> None:
+        if ttft is not None:
+            self.ttft.observe(ttft)
+            if completion > 1:
+                # Mean time per output token after the first, once per request (vLLM's TPOT).
+                self.itl.observe((e2e - ttft) / (completion - 1))
+        self.e2e.observe(e2e)
+        self.input_tokens.inc(prompt)
+        self.output_tokens.inc(completion)
+        self.cached_tokens.inc(cached)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "weir_frontend_requests", "Finished HTTP requests", ["endpoint", "status"], registry=r
+        )
+        self.inflight = Gauge(
+            "weir_frontend_inflight_requests", "Requests being served", ["endpoint"], registry=r
+        )
+        self.errors = Counter("weir_frontend_errors", "Failed requests by error type", ["type"], registry=r)
+        self.retries = Counter("weir_frontend_retries", "Requests retried on another worker", registry=r)
+        self.disconnects = Counter(
+            "weir_frontend_client_disconnects", "Requests cancelled by the client hanging up", registry=r
+        )
+        self.ttft = Histogram(
+            "weir_frontend_time_to_first_token_seconds",
+            "Time to first token",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "weir_frontend_inter_token_latency_seconds",
+            "Mean time between output tokens, per request",
+            ["model"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "weir_frontend_request_duration_seconds",
+            "Request latency",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.input_tokens = Counter("weir_frontend_input_tokens", "Prompt tokens", ["model"], registry=r)
+        self.output_tokens = Counter("weir_frontend_output_tokens", "Generated tokens", ["model"], registry=r)
+        self.cached_tokens = Counter(
+            "weir_frontend_cached_tokens", "Prompt tokens served from cache", ["model"], registry=r
+        )
+        self.workers = Gauge("weir_frontend_workers", "Known workers", registry=r)
+        self.inflight_by_endpoint = {e: self.inflight.labels(e) for e in _ENDPOINTS}
+        self._requests_by_label: dict[tuple[str, int], Counter] = {}
+
+    def for_model(self, model: str) -> ModelMetrics:
+        return ModelMetrics(self, model)
+
+    def request_done(self, endpoint: str, status: int) -> None:
+        key = (endpoint, status)
+        child = self._requests_by_label.get(key)
+        if child is None:
+            child = self._requests_by_label[key] = self.requests.labels(endpoint, str(status))
+        child.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

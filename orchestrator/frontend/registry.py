@@ -1,0 +1,142 @@
+"""Models come and go with their workers.
+
+The registry follows `Discovery.watch("worker")`: the first worker of a model creates its
+entry (the preprocessor, loaded once per model path, and a router built by `routing`); the
+last worker leaving removes it. Worker clients are made by a factory, so embedded workers are
+called in-process and remote ones over the request plane."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from orchestrator.frontend.config import FrontendConfig
+from orchestrator.frontend.errors import ModelNotFound, Unavailable
+from orchestrator.frontend.metrics import Metrics, ModelMetrics
+from orchestrator.frontend.preprocessor import Preprocessor
+from orchestrator.frontend.routing import ModelRouting, build_router
+from orchestrator.runtime.discovery import Discovery, DiscoveryEvent
+from orchestrator.runtime.events import EventPlane
+from orchestrator.runtime.protocol import Instance, ModelCard
+from orchestrator.runtime.request_plane import WorkerClient
+
+log = logging.getLogger("weir.frontend")
+
+ClientFactory = Callable[[Instance], WorkerClient]
+
+# Roles the frontend sends whole requests to; prefill/decode pools need the disaggregated path.
+_ROUTABLE_ROLES = ("aggregated",)
+
+
+@dataclass(slots=True)
+class ModelEntry:
+    name: str
+    card: ModelCard
+    routing: ModelRouting
+    metrics: ModelMetrics
+    preprocessor: Preprocessor | None
+    created: int = field(default_factory=lambda: int(time.time()))
+    workers: dict[str, WorkerClient] = field(default_factory=dict)
+
+    def require_preprocessor(self) -> Preprocessor:
+        if self.preprocessor is None:
+            raise Unavailable(f"model {self.name!r} has no usable tokenizer (card.model_path)")
+        return self.preprocessor
+
+
+class ModelRegistry:
+    def __init__(
+        self,
+        config: FrontendConfig,
+        client_factory: ClientFactory,
+        events: EventPlane | None,
+        metrics: Metrics,
+    ) -> None:
+        self.config = config
+        self.client_factory = client_factory
+        self.events = events
+        self.metrics = metrics
+        self.models: dict[str, ModelEntry] = {}
+        self._worker_model: dict[str, str] = {}
+
+    def get(self, name: str) -> ModelEntry:
+        entry = self.models.get(name)
+        if entry is None:
+            raise ModelNotFound(name)
+        return entry
+
+    @property
+    def worker_count(self) -> int:
+        return len(self._worker_model)
+
+    async def follow(self, discovery: Discovery) -> None:
+        """Apply discovery events until cancelled. One bad event is logged, never fatal."""
+        async for event in discovery.watch("worker"):
+            try:
+                await self.apply(event)
+            except Exception:
+                log.exception("could not apply discovery event for %s", event.instance.instance_id)
+
+    async def apply(self, event: DiscoveryEvent) -> None:
+        instance = event.instance
+        if event.kind == "delete":
+            await self.remove_worker(instance.instance_id)
+            return
+        card = instance.card
+        if card is None or card.role not in _ROUTABLE_ROLES:
+            return
+        known_model = self._worker_model.get(instance.instance_id)
+        if known_model == card.name:
+            self.models[card.name].routing.router.set_draining(instance.instance_id, instance.draining)
+            return
+        if known_model is not None:  # re-registered under another model
+            await self.remove_worker(instance.instance_id)
+        await self.add_worker(instance, card)
+
+    async def add_worker(self, instance: Instance, card: ModelCard) -> None:
+        entry = self.models.get(card.name)
+        if entry is None:
+            # `follow` applies events one at a time, so no other event creates it meanwhile.
+            entry = self.models[card.name] = await self._new_model(card)
+        entry.workers[instance.instance_id] = self.client_factory(instance)
+        router = entry.routing.router
+        router.add_worker(instance.instance_id, card.total_kv_blocks)
+        router.set_draining(instance.instance_id, instance.draining)
+        self._worker_model[instance.instance_id] = card.name
+        self.metrics.workers.set(self.worker_count)
+        log.info(
+            "worker %s serves %s at %s", instance.instance_id, card.name, instance.address or "in-process"
+        )
+
+    async def remove_worker(self, instance_id: str) -> None:
+        name = self._worker_model.pop(instance_id, None)
+        if name is None:
+            return
+        entry = self.models[name]
+        entry.workers.pop(instance_id, None)
+        entry.routing.router.remove_worker(instance_id)
+        self.metrics.workers.set(self.worker_count)
+        log.info("worker %s of %s is gone", instance_id, name)
+        if not entry.workers:
+            del self.models[name]
+            await entry.routing.close()
+            log.info("model %s has no workers left", name)
+
+    async def close(self) -> None:
+        for entry in list(self.models.values()):
+            await entry.routing.close()
+        self.models.clear()
+        self._worker_model.clear()
+
+    async def _new_model(self, card: ModelCard) -> ModelEntry:
+        preprocessor = None
+        if card.model_path:
+            try:
+                preprocessor = await asyncio.to_thread(Preprocessor.load, card.model_path)
+            except Exception:
+                log.exception("cannot load the tokenizer of %s from %s", card.name, card.model_path)
+        routing = await build_router(self.config, card, self.events)
+        return ModelEntry(card.name, card, routing, self.metrics.for_model(card.name), preprocessor)

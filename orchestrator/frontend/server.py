@@ -1,0 +1,76 @@
+"""Running the frontend: wire discovery, the request plane and uvicorn (uvloop + httptools)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import uvicorn
+from fastapi import FastAPI
+
+from orchestrator.frontend.app import build_app
+from orchestrator.frontend.config import FrontendConfig
+from orchestrator.frontend.registry import ClientFactory
+from orchestrator.runtime.discovery import Discovery
+from orchestrator.runtime.events import EventPlane
+from orchestrator.runtime.protocol import Instance
+from orchestrator.runtime.request_plane import (
+    LocalWorkerClient,
+    RequestPlaneClient,
+    TcpWorkerClient,
+    WorkerClient,
+)
+
+
+def make_client_factory(
+    plane: RequestPlaneClient, local_workers: Mapping[str, LocalWorkerClient] | None = None
+) -> ClientFactory:
+    """In-process workers (by instance id) are called directly; the rest over TCP."""
+    local = dict(local_workers or {})
+
+    def client_for(instance: Instance) -> WorkerClient:
+        found = local.get(instance.instance_id)
+        return found if found is not None else TcpWorkerClient(plane, instance.address)
+
+    return client_for
+
+
+def create_app(
+    config: FrontendConfig,
+    discovery: Discovery,
+    events: EventPlane | None = None,
+    local_workers: Mapping[str, LocalWorkerClient] | None = None,
+) -> FastAPI:
+    """The app with its own request-plane client (closed with the app)."""
+    plane = RequestPlaneClient()
+    app = build_app(config, discovery, make_client_factory(plane, local_workers), events)
+    app.state.frontend.on_close.append(plane.close)
+    return app
+
+
+def uvicorn_config(app: FastAPI, config: FrontendConfig) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        access_log=False,  # one line per request costs real CPU at thousands of requests/s
+        log_level=config.log_level,
+        timeout_graceful_shutdown=5,
+    )
+
+
+async def run_frontend(
+    config: FrontendConfig,
+    discovery: Discovery,
+    events: EventPlane | None = None,
+    local_workers: Mapping[str, LocalWorkerClient] | None = None,
+) -> None:
+    """Serve until the process is asked to stop (SIGINT/SIGTERM, handled by uvicorn).
+
+    Runs on the caller's event loop: start it with `uvloop.run(run_frontend(...))`."""
+    logging.getLogger("weir.frontend").setLevel(config.log_level.upper())
+    server = uvicorn.Server(uvicorn_config(create_app(config, discovery, events, local_workers), config))
+    await server.serve()

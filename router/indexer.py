@@ -22,6 +22,7 @@ MAX_HELD_BACK = 4096  # batches kept per worker while a snapshot is awaited
 @dataclass(slots=True)
 class _SyncState:
     last_event_id: int | None = None  # None: never synced
+    published: int = 0  # the highest event id the worker is known to have published
     held_back: dict[int, KvEventBatch] = field(default_factory=dict)
 
 
@@ -44,11 +45,11 @@ class KvIndexer:
 
     def needs_resync(self) -> list[str]:
         """Workers whose state is unknown or has a gap: fetch their snapshots."""
-        return [w for w, s in self._sync.items() if s.last_event_id is None or s.held_back]
+        return [w for w, s in self._sync.items() if _has_gap(s)]
 
     def is_synced(self, worker_id: str) -> bool:
         state = self._sync.get(worker_id)
-        return state is not None and state.last_event_id is not None and not state.held_back
+        return state is not None and not _has_gap(state)
 
     # ------------------------------------------------------------------ events
 
@@ -67,11 +68,20 @@ class KvIndexer:
             self._apply(batch)
             state.last_event_id = batch.event_id
             self._drain_held_back(state)
-            return bool(state.held_back)
+            return _has_gap(state)
         if len(state.held_back) >= MAX_HELD_BACK:
             state.held_back.pop(min(state.held_back))
         state.held_back[batch.event_id] = batch
         return True
+
+    def observe_event_id(self, worker_id: str, event_id: int) -> bool:
+        """The worker says it has published up to `event_id` (its load reports carry it):
+        True when that reveals a lost batch, which for the last one no later batch would."""
+        state = self._sync.get(worker_id)
+        if state is None:
+            return False
+        state.published = max(state.published, event_id)
+        return _has_gap(state)
 
     def apply_snapshot(self, snapshot: KvSnapshot) -> bool:
         """Replace a worker's blocks with its snapshot; True if a gap remains after it."""
@@ -87,7 +97,7 @@ class KvIndexer:
         for event_id in [i for i in state.held_back if i <= state.last_event_id]:
             del state.held_back[event_id]
         self._drain_held_back(state)
-        return bool(state.held_back)
+        return _has_gap(state)
 
     def _drain_held_back(self, state: _SyncState) -> None:
         assert state.last_event_id is not None
@@ -115,3 +125,8 @@ class KvIndexer:
 
     def on_routed(self, worker_id: str, hashes: Sequence[int]) -> None:
         """Events, not decisions, tell this index what workers cache."""
+
+
+def _has_gap(state: _SyncState) -> bool:
+    last = state.last_event_id
+    return last is None or bool(state.held_back) or state.published > last

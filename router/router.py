@@ -170,8 +170,12 @@ class Router:
     def needs_resync(self) -> list[str]:
         return self.index.needs_resync() if self.index is not None else []
 
-    def apply_load(self, report: LoadReport) -> None:
+    def apply_load(self, report: LoadReport) -> bool:
+        """True when the report shows the worker's KV events have a gap (resync it)."""
         self.loads.apply_report(report)
+        if isinstance(self.index, KvIndexer) and report.kv_event_id and report.worker_id in self.workers:
+            return self.index.observe_event_id(report.worker_id, report.kv_event_id)
+        return False
 
     def apply_inflight(self, update: InflightUpdate) -> None:
         self.loads.apply_peer(update)

@@ -169,6 +169,9 @@ class LoadReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     total_blocks: int = 0
     queued_prefill_tokens: int = 0
     draining: bool = False
+    # The id of the last KV event batch published: lets a router notice a lost final batch,
+    # which no later batch would reveal. 0: not reported.
+    kv_event_id: int = 0
 
 
 # --------------------------------------------------------------------------- discovery

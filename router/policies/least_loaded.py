@@ -6,11 +6,11 @@ from router.protocols import Decision, RouteRequest, WorkerLoad
 
 
 class LeastLoadedPolicy:
-    """Fewest active+waiting requests, then fewest active KV blocks, then worker id."""
+    """Fewest requests (reported or in flight), then fewest active KV blocks, then worker id."""
 
     def select(self, request: RouteRequest, workers: Mapping[str, WorkerLoad]) -> Decision:
         def key(worker_id: str) -> tuple[int, int, str]:
             load = workers[worker_id]
-            return (load.active_requests + load.waiting_requests, load.active_blocks, worker_id)
+            return (load.requests, load.blocks, worker_id)
 
         return Decision(min(workers, key=key))

@@ -1,0 +1,68 @@
+"""The cost model and selection, by worked examples."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.cost import CostParams, cached_blocks, choose, costs, is_busy
+
+
+def test_worked_example_cache_hit_beats_idle_worker_at_weight_one() -> None:
+    # 10-block prompt. A caches 6 blocks and decodes with 2 active blocks; B is idle, cold.
+    params = CostParams(overlap_weight=1.0)
+    a, b = costs(10, [6, 0], [2, 0], params)
+    assert (a, b) == (1.0 * 4 + 2, 1.0 * 10 + 0)  # 6 vs 10
+    assert choose([a, b], [2, 0], 0.0, random.Random(0)) == 0
+
+
+def test_worked_example_low_weight_prefers_balance() -> None:
+    params = CostParams(overlap_weight=0.1)
+    a, b = costs(10, [6, 0], [2, 0], params)
+    assert a == pytest.approx(0.4 + 2) and b == pytest.approx(1.0)
+    assert choose([a, b], [2, 0], 0.0, random.Random(0)) == 1
+
+
+def test_lower_tier_hits_are_credited_by_a_factor() -> None:
+    params = CostParams(lower_tier_credit=0.25)
+    # 6 cached blocks of which 4 sit on host memory: 2 + 0.25 * 4 = 3 credited
+    assert cached_blocks(6, 4, params) == 3.0
+    assert costs(10, [3.0], [0], params) == [7.0]
+    assert costs(4, [6], [1], params) == [1.0]  # more cached than asked (tail block): no negative work
+
+
+def test_ties_go_to_the_least_loaded_then_to_a_seeded_random_pick() -> None:
+    assert choose([5.0, 5.0, 7.0], [3, 1, 0], 0.0, random.Random(0)) == 1
+    picks = {choose([5.0, 5.0, 5.0], [1, 1, 1], 0.0, random.Random(seed)) for seed in range(40)}
+    assert picks == {0, 1, 2}
+    first = [choose([1.0, 1.0], [0, 0], 0.0, random.Random(7)) for _ in range(5)]
+    assert first == [choose([1.0, 1.0], [0, 0], 0.0, random.Random(7)) for _ in range(5)]
+
+
+def test_temperature_samples_softmax_of_normalised_costs() -> None:
+    # costs 0 and 10 normalise to 0 and 1: at T = 1, p = [1, e^-1] / (1 + e^-1) = [0.731, 0.269]
+    rng = random.Random(1)
+    n = 20_000
+    zero = sum(choose([0.0, 10.0], [0, 0], 1.0, rng) == 0 for _ in range(n))
+    assert zero / n == pytest.approx(0.731, abs=0.015)
+    # a low temperature is nearly argmin; equal costs are uniform
+    assert sum(choose([0.0, 10.0], [0, 0], 0.05, rng) == 0 for _ in range(1000)) > 990
+    uniform = sum(choose([3.0, 3.0], [0, 0], 1.0, rng) for _ in range(n))
+    assert uniform / n == pytest.approx(0.5, abs=0.015)
+
+
+def test_busy_thresholds() -> None:
+    params = CostParams(busy_kv_fraction=0.9, busy_waiting_requests=4)
+    assert not is_busy(90, 100, 0, params)
+    assert is_busy(91, 100, 0, params)
+    assert is_busy(0, 100, 5, params)
+    assert not is_busy(500, 0, 0, params)  # no capacity reported: never busy by blocks
+    assert not is_busy(0, 100, 99, CostParams())  # waiting threshold off by default
+
+
+def test_invalid_params_are_rejected() -> None:
+    with pytest.raises(ValueError):
+        CostParams(overlap_weight=-1)
+    with pytest.raises(ValueError):
+        CostParams(lower_tier_credit=2)

@@ -1,0 +1,181 @@
+"""`weir status`: the release's pools as Kubernetes sees them (desired and ready replicas), and
+the workers registered in discovery with their load.
+
+Load comes from the workers' own load reports on NATS, heard for `--load-window` seconds
+(they publish at least once a second); without NATS the load columns stay empty. Each part
+is shown even when the other fails; the exit code is then the first failure's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+
+import msgspec
+
+from orchestrator.cli.kube import OperatorError, add_cluster_args, api_client, namespace
+from orchestrator.cli.planes import Planes, add_plane_args, from_flags, from_release
+from orchestrator.cli.pools import Pool, list_pools
+from orchestrator.cli.workers import address_host, collect_load, list_workers, worker_pods
+from orchestrator.runtime.discovery import make_discovery
+from orchestrator.runtime.protocol import Instance, LoadReport
+
+
+@dataclass
+class Report:
+    namespace: str
+    release: str | None
+    pools: list[Pool] = field(default_factory=list)
+    planes: Planes | None = None
+    workers: list[dict[str, object]] = field(default_factory=list)
+    errors: list[OperatorError] = field(default_factory=list)
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    parser.add_argument(
+        "--load-window",
+        type=float,
+        default=1.5,
+        metavar="S",
+        help="seconds to listen for load reports on NATS (0: do not listen)",
+    )
+    parser.add_argument("--no-discovery", action="store_true", help="show the Kubernetes pools only")
+    add_cluster_args(parser)
+    add_plane_args(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = gather(args)
+    if args.output == "json":
+        print(json.dumps(to_json(report), indent=2))
+    else:
+        print(to_table(report))
+    for error in report.errors:
+        print(f"weir status: {error}", file=sys.stderr)
+    return report.errors[0].exit_code if report.errors else 0
+
+
+def gather(args: argparse.Namespace) -> Report:
+    report = Report(namespace=namespace(args), release=args.release)
+    pods: dict[str, str] = {}
+    try:
+        with api_client(args) as api:
+            report.pools = list_pools(api, report.namespace, args.release)
+            if not args.no_discovery:
+                report.planes = from_flags(args) or from_release(api, report.namespace, args)
+                pods = worker_pods(api, report.namespace, args.release)
+    except OperatorError as exc:
+        report.errors.append(exc)
+        # Kubernetes is away, but discovery named by flags can still be read.
+        report.planes = None if args.no_discovery else from_flags(args)
+    if report.planes is not None:
+        try:
+            workers, loads = asyncio.run(_discovery(report.planes, args.load_window))
+        except OperatorError as exc:
+            report.errors.append(exc)
+        else:
+            report.workers = [_worker_row(w, loads.get(w.instance_id), pods) for w in workers]
+    return report
+
+
+async def _discovery(planes: Planes, window_s: float) -> tuple[list[Instance], dict[str, LoadReport]]:
+    discovery = make_discovery(planes.etcd, planes.namespace)
+    try:
+        workers = await list_workers(discovery, planes.etcd)
+    finally:
+        await discovery.close()
+    models = {w.card.name for w in workers if w.card is not None}
+    if planes.nats is None or window_s <= 0 or not models:
+        return workers, {}
+    return workers, await collect_load(planes.nats, planes.namespace, models, window_s)
+
+
+def _worker_row(worker: Instance, load: LoadReport | None, pods: dict[str, str]) -> dict[str, object]:
+    card = worker.card
+    return {
+        "instance_id": worker.instance_id,
+        "pod": pods.get(address_host(worker)),
+        "model": card.name if card else None,
+        "role": card.role if card else None,
+        "backend": card.backend if card else None,
+        "address": worker.address,
+        "state": "draining" if worker.draining or (load is not None and load.draining) else "serving",
+        "load": msgspec.to_builtins(load) if load is not None else None,
+    }
+
+
+def to_json(report: Report) -> dict[str, object]:
+    planes = report.planes
+    return {
+        "namespace": report.namespace,
+        "release": report.release,
+        "pools": [asdict(p) for p in report.pools],
+        "discovery": asdict(planes) if planes else None,
+        "workers": report.workers,
+        "errors": [{"message": str(e), "exit_code": e.exit_code} for e in report.errors],
+    }
+
+
+def to_table(report: Report) -> str:
+    lines = [
+        f"Pools in namespace {report.namespace}" + (f", release {report.release}" if report.release else "")
+    ]
+    pool_rows = [
+        [p.release, p.name, p.role, p.backend, str(p.desired), str(p.ready), p.deployment]
+        for p in report.pools
+    ]
+    lines += _columns(["RELEASE", "POOL", "ROLE", "BACKEND", "DESIRED", "READY", "DEPLOYMENT"], pool_rows)
+    if report.planes is None:
+        return "\n".join(lines)
+    planes = report.planes
+    lines += [
+        "",
+        f"Workers in discovery (weir namespace {planes.namespace}, etcd {planes.etcd}, from {planes.source})",
+    ]
+    worker_rows = []
+    for w in report.workers:
+        load = w["load"] if isinstance(w["load"], dict) else {}
+        kv = f"{load.get('active_blocks', 0)}/{load.get('total_blocks', 0)}" if load else "-"
+        worker_rows.append(
+            [
+                str(w["instance_id"]),
+                str(w["pod"] or "-"),
+                str(w["model"]),
+                str(w["role"]),
+                str(w["backend"]),
+                str(w["address"]),
+                str(w["state"]),
+                str(load.get("active_requests", 0)) if load else "-",
+                str(load.get("waiting_requests", 0)) if load else "-",
+                kv,
+            ]
+        )
+    header = [
+        "INSTANCE",
+        "POD",
+        "MODEL",
+        "ROLE",
+        "BACKEND",
+        "ADDRESS",
+        "STATE",
+        "ACTIVE",
+        "WAITING",
+        "KV BLOCKS",
+    ]
+    lines += _columns(header, worker_rows)
+    return "\n".join(lines)
+
+
+def _columns(header: list[str], rows: list[list[str]]) -> list[str]:
+    if not rows:
+        return ["  (none)"]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    ]

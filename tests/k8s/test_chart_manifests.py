@@ -1,0 +1,271 @@
+"""What the chart renders: pools become Deployments with the right labels, args and resources;
+pods are locked down; etcd and NATS addresses reach every weir pod through one ConfigMap."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.k8s.helm import CHART, Manifest, find, one, pod_specs, render
+
+EXAMPLES = CHART / "examples"
+
+
+@pytest.fixture(scope="module")
+def disagg(helm_bin: str) -> list[Manifest]:
+    return render(helm_bin, EXAMPLES / "disaggregated.yaml", release="prod", namespace="llm")
+
+
+@pytest.fixture(scope="module")
+def defaults(helm_bin: str) -> list[Manifest]:
+    return render(helm_bin)
+
+
+def _container(workload: Manifest) -> Manifest:
+    containers = workload["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def test_each_pool_is_a_deployment_with_labels_args_and_gpus(disagg: list[Manifest]) -> None:
+    for pool, role, replicas in [("prefill", "prefill", 2), ("decode", "decode", 4)]:
+        dep = one(disagg, "Deployment", f"prod-weir-pool-{pool}")
+        expected = {
+            "app.kubernetes.io/name": "weir",
+            "app.kubernetes.io/instance": "prod",
+            "app.kubernetes.io/component": "worker",
+            "weir.dev/pool": pool,
+            "weir.dev/role": role,
+            "weir.dev/backend": "deepinfer",
+        }
+        assert expected.items() <= dep["metadata"]["labels"].items()
+        assert expected.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+        selector = dep["spec"]["selector"]["matchLabels"]
+        assert selector.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+        assert selector["weir.dev/pool"] == pool
+        assert dep["spec"]["replicas"] == replicas
+
+        container = _container(dep)
+        assert container["args"] == [
+            "worker",
+            "--backend=deepinfer",
+            f"--role={role}",
+            "--model=Qwen/Qwen3-8B",
+            "--host=0.0.0.0",
+            "--port=9000",
+            "--metrics-port=9090",
+        ]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert container["resources"]["requests"]["nvidia.com/gpu"] == 1
+        pod = dep["spec"]["template"]["spec"]
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+        assert container["image"] == "ghcr.io/weir-project/weir:0.1.0-cuda"
+
+
+def test_pool_args_env_and_image_overrides(helm_bin: str) -> None:
+    pool = (
+        "pools[0].name=vl,pools[0].role=aggregated,pools[0].backend=vllm,pools[0].model=m,"
+        "pools[0].replicas=1,pools[0].args[0]=--speedup=5,pools[0].env[0].name=FOO,pools[0].env[0].value=bar,"
+        "pools[0].image.tag=cuda,pools[0].terminationGracePeriodSeconds=900"
+    )
+    manifests = render(helm_bin, sets=dict(kv.split("=", 1) for kv in pool.split(",")))
+    dep = one(manifests, "Deployment", "r-weir-pool-vl")
+    container = _container(dep)
+    assert container["args"][-1] == "--speedup=5"
+    assert {"name": "FOO", "value": "bar"} in container["env"]
+    assert container["image"] == "ghcr.io/weir-project/weir:cuda"
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 900
+
+
+def test_frontend_deployment_and_service(disagg: list[Manifest]) -> None:
+    dep = one(disagg, "Deployment", "prod-weir-frontend")
+    assert dep["spec"]["replicas"] == 2
+    container = _container(dep)
+    assert container["args"][:4] == ["frontend", "--host=0.0.0.0", "--port=8000", "--router-mode=kv"]
+    svc = one(disagg, "Service", "prod-weir-frontend")
+    assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+
+
+def test_pods_run_non_root_read_only_without_escalation(helm_bin: str) -> None:
+    manifests = render(helm_bin, EXAMPLES / "disaggregated.yaml")
+    specs = pod_specs(manifests)
+    assert {name for name, _ in specs} >= {
+        "r-weir-frontend",
+        "r-weir-pool-prefill",
+        "r-weir-etcd",
+        "r-weir-nats",
+    }
+    for name, pod in specs:
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+        assert pod["securityContext"]["runAsUser"] != 0, name
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert pod["automountServiceAccountToken"] is False, name
+        for container in pod["containers"]:
+            ctx = container["securityContext"]
+            assert ctx["readOnlyRootFilesystem"] is True, name
+            assert ctx["allowPrivilegeEscalation"] is False, name
+            assert ctx["capabilities"] == {"drop": ["ALL"]}, name
+            assert "privileged" not in ctx, name
+            # A read-only root needs somewhere to write: every writer gets a volume.
+            mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
+            assert mounts, f"{name} has no writable volume"
+
+
+def test_addresses_reach_pods_through_one_configmap(helm_bin: str) -> None:
+    manifests = render(helm_bin, EXAMPLES / "disaggregated.yaml", release="prod", namespace="llm")
+    configmaps = find(manifests, "ConfigMap")
+    assert len(configmaps) == 1
+    config = configmaps[0]
+    assert config["data"] == {
+        "WEIR_ETCD": "http://prod-weir-etcd.llm.svc:2379",
+        "WEIR_NATS": "nats://prod-weir-nats.llm.svc:4222",
+        "WEIR_NAMESPACE": "prod",
+    }
+    # The addresses name the bundled Services and their client ports.
+    assert one(manifests, "Service", "prod-weir-etcd")["spec"]["ports"][0]["port"] == 2379
+    assert one(manifests, "Service", "prod-weir-nats")["spec"]["ports"][0]["port"] == 4222
+    weir_pods = find(manifests, "Deployment")
+    assert len(weir_pods) == 3  # frontend, prefill, decode
+    for dep in weir_pods:
+        container = _container(dep)
+        assert container["envFrom"] == [{"configMapRef": {"name": config["metadata"]["name"]}}]
+        # Nothing else sets them, so the ConfigMap is the single source.
+        assert not {e["name"] for e in container.get("env", [])} & set(config["data"])
+
+
+def test_external_etcd_and_nats(helm_bin: str) -> None:
+    manifests = render(helm_bin, EXAMPLES / "vllm.yaml")
+    assert not find(manifests, "StatefulSet")
+    data = find(manifests, "ConfigMap")[0]["data"]
+    assert data["WEIR_ETCD"] == "http://etcd.infra.svc:2379"
+    assert data["WEIR_NATS"] == "nats://nats.infra.svc:4222"
+
+
+def test_config_change_rolls_the_pods(helm_bin: str) -> None:
+    def checksums(endpoint: str) -> set[str]:
+        manifests = render(helm_bin, sets={"etcd.enabled": "false", "etcd.endpoints": endpoint})
+        return {
+            d["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+            for d in find(manifests, "Deployment")
+        }
+
+    first, second = checksums("http://a:2379"), checksums("http://b:2379")
+    assert len(first) == 1 and len(second) == 1 and first != second
+
+
+def test_probes_hit_the_health_endpoints(defaults: list[Manifest]) -> None:
+    frontend = _container(one(defaults, "Deployment", "r-weir-frontend"))
+    assert frontend["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert frontend["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http"}
+    worker = _container(one(defaults, "Deployment", "r-weir-pool-agg"))
+    ports = {p["name"]: p["containerPort"] for p in worker["ports"]}
+    assert ports == {"requests": 9000, "metrics": 9090}
+    assert worker["readinessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
+    assert worker["livenessProbe"]["httpGet"] == {"path": "/live", "port": "metrics"}
+    # Model loading may take long: a startup probe holds liveness off for startupSeconds (1800).
+    startup = worker["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] == 1800
+
+
+def test_graceful_termination_leaves_time_to_drain(defaults: list[Manifest]) -> None:
+    assert (
+        one(defaults, "Deployment", "r-weir-pool-agg")["spec"]["template"]["spec"][
+            "terminationGracePeriodSeconds"
+        ]
+        == 300
+    )
+    assert (
+        one(defaults, "Deployment", "r-weir-frontend")["spec"]["template"]["spec"][
+            "terminationGracePeriodSeconds"
+        ]
+        == 60
+    )
+
+
+def test_a_disruption_budget_per_pool_and_frontend(disagg: list[Manifest]) -> None:
+    budgets = {p["metadata"]["name"]: p for p in find(disagg, "PodDisruptionBudget")}
+    assert set(budgets) == {"prod-weir-frontend", "prod-weir-pool-prefill", "prod-weir-pool-decode"}
+    for name, budget in budgets.items():
+        assert budget["apiVersion"] == "policy/v1"
+        assert budget["spec"]["maxUnavailable"] == 1
+        dep = one(disagg, "Deployment", name)
+        assert budget["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+
+
+def test_no_budgets_when_disabled(helm_bin: str) -> None:
+    assert not find(render(helm_bin, sets={"podDisruptionBudget.enabled": "false"}), "PodDisruptionBudget")
+
+
+def test_service_monitor_when_enabled(disagg: list[Manifest], defaults: list[Manifest]) -> None:
+    assert not find(defaults, "ServiceMonitor")
+    monitors = {m["metadata"]["name"]: m for m in find(disagg, "ServiceMonitor")}
+    assert set(monitors) == {"prod-weir-frontend", "prod-weir-worker"}
+    services = find(disagg, "Service")
+    for monitor in monitors.values():
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        assert monitor["metadata"]["labels"]["release"] == "prometheus"
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        matched = [s for s in services if selector.items() <= s["metadata"]["labels"].items()]
+        assert len(matched) == 1, monitor["metadata"]["name"]
+        port_names = {p["name"] for p in matched[0]["spec"]["ports"]}
+        for endpoint in monitor["spec"]["endpoints"]:
+            assert endpoint["port"] in port_names
+            assert endpoint["path"] == "/metrics"
+
+
+def test_network_policy_option(helm_bin: str, defaults: list[Manifest]) -> None:
+    assert not find(defaults, "NetworkPolicy")
+    manifests = render(helm_bin, EXAMPLES / "vllm.yaml")
+    policies = {p["metadata"]["name"]: p["spec"] for p in find(manifests, "NetworkPolicy")}
+    assert set(policies) == {"r-weir-internal", "r-weir-api", "r-weir-metrics"}
+    release = {"app.kubernetes.io/name": "weir", "app.kubernetes.io/instance": "r"}
+    assert policies["r-weir-internal"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": release}}]}]
+    api = policies["r-weir-api"]
+    assert api["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "frontend"
+    assert api["ingress"][0]["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}
+    ]
+    assert api["ingress"][0]["ports"] == [{"port": "http", "protocol": "TCP"}]
+
+
+def test_api_key_secret(helm_bin: str) -> None:
+    created = render(helm_bin, sets={"frontend.apiKey.value": "s3cret"})
+    secret = one(created, "Secret", "r-weir-api-key")
+    env = _container(one(created, "Deployment", "r-weir-frontend"))["env"]
+    key_env = next(e for e in env if e["name"] == "WEIR_API_KEY")
+    assert key_env["valueFrom"]["secretKeyRef"] == {"name": "r-weir-api-key", "key": "api-key"}
+    assert "api-key" in secret["data"]
+
+    existing = render(helm_bin, EXAMPLES / "vllm.yaml")
+    assert not find(existing, "Secret")
+    env = _container(one(existing, "Deployment", "r-weir-frontend"))["env"]
+    key_env = next(e for e in env if e["name"] == "WEIR_API_KEY")
+    assert key_env["valueFrom"]["secretKeyRef"] == {"name": "weir-api-key", "key": "api-key"}
+
+
+def test_operator_role_grants_what_the_cli_uses(helm_bin: str) -> None:
+    manifests = render(
+        helm_bin,
+        sets={
+            "operatorRole.subjects[0].kind": "User",
+            "operatorRole.subjects[0].name": "alice",
+            "operatorRole.subjects[0].apiGroup": "rbac.authorization.k8s.io",
+        },
+    )
+    rules = one(manifests, "Role", "r-weir-operator")["rules"]
+    granted = {
+        (g, r, v)
+        for rule in rules
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
+    assert {
+        ("apps", "deployments", "list"),
+        ("apps", "deployments/scale", "patch"),
+        ("", "configmaps", "list"),
+        ("", "pods", "list"),
+    } <= granted
+    binding = one(manifests, "RoleBinding", "r-weir-operator")
+    assert binding["subjects"] == [{"kind": "User", "name": "alice", "apiGroup": "rbac.authorization.k8s.io"}]

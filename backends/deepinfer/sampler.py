@@ -5,7 +5,8 @@ The order follows vLLM v1's sampler, so a request behaves the same on either eng
 1. raw logprobs (``log_softmax`` of the logits as they arrive: the model's distribution with
    any grammar mask already applied, before penalties, bias or temperature; vLLM's default
    ``logprobs_mode="raw_logprobs"``),
-2. ``min_tokens`` (EOS and stop token ids masked until reached), ``logit_bias``,
+2. ``min_tokens`` (EOS and stop token ids masked until reached; not for guided requests,
+   whose grammar decides when they end), ``logit_bias``,
 3. penalties: repetition over prompt + generated tokens, frequency and presence over
    generated tokens only,
 4. greedy rows (temperature 0) take the argmax here,
@@ -115,7 +116,9 @@ class Sampler:
         cols: list[int] = []
         for i, seq in enumerate(seqs):
             req = seq.request
-            if seq.num_completion_tokens >= req.min_tokens:
+            # A grammar decides by itself when its output may end; masking its stop token
+            # could leave a row with nothing allowed.
+            if seq.num_completion_tokens >= req.min_tokens or req.guided is not None:
                 continue
             stop_ids = req.stop_token_ids if req.ignore_eos else [*self.eos_token_ids, *req.stop_token_ids]
             rows.extend([i] * len(stop_ids))

@@ -1,0 +1,170 @@
+"""The engine loop: `step()` is schedule -> run (forward, grammar mask, sample) -> postprocess.
+
+`Engine` is synchronous and single-threaded in spirit; `AsyncEngine` drives it from a worker
+thread. The scheduler's state is guarded by `lock`, held only while scheduling and
+postprocessing, never during the forward pass, so `add`, `abort` and KV-event reads from
+another thread wait at most for bookkeeping, not for the model.
+
+An aborted request may be part of the step in flight. Its blocks are freed at once (the
+forward still writes them, but nothing can reuse them before the next `schedule()`), while
+its sampler generator and grammar matcher are released only after the step, because the
+sampling phase may be using them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import xgrammar as xgr
+
+from backends.deepinfer.config import EngineConfig
+from backends.deepinfer.guided import GuidedDecoding
+from backends.deepinfer.outputs import SampledToken, SchedulerOutput, SeqOutput
+from backends.deepinfer.sampler import Sampler, validate_request
+from backends.deepinfer.scheduler import Scheduler
+from backends.deepinfer.sequence import Sequence
+from orchestrator.runtime.protocol import WorkerRequest
+
+
+class Runner(Protocol):
+    """What the engine needs from `model_runner.ModelRunner` (the only owner of the device)."""
+
+    vocab_size: int
+    eos_token_ids: Seq[int]
+    max_model_len: int
+    num_kv_blocks: int
+    kv_bytes_per_token: int
+
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """float32 logits, one row per chunk with `sample=True`, in chunk order."""
+        ...
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, runner: Runner | None = None) -> None:
+        if runner is None:
+            from backends.deepinfer.model_runner import ModelRunner
+
+            runner = ModelRunner(config)
+        self.config = config
+        self.runner = runner
+        self.model_dir = Path(config.model)
+        self.vocab_size = self.runner.vocab_size
+        self.eos_token_ids = list(self.runner.eos_token_ids)
+        self.max_model_len = self.runner.max_model_len
+        self.scheduler = Scheduler(config, self.runner.num_kv_blocks, self.eos_token_ids, self.max_model_len)
+        self.sampler = Sampler(self.vocab_size, self.eos_token_ids, config.seed, config.deterministic)
+        self.lock = threading.Lock()
+        self._guided: GuidedDecoding | None = None  # built on first use: a 49k vocab takes ~0.2 s
+        self._guided_init = threading.Lock()
+        self._in_flight: set[str] = set()  # request ids in the step being run
+        self._release_after_step: list[str] = []
+        self.num_preemptions = 0  # sequences sent back to waiting for lack of blocks, ever
+
+    @property
+    def guided(self) -> GuidedDecoding:
+        with self._guided_init:
+            if self._guided is None:
+                self._guided = GuidedDecoding.from_model_dir(
+                    self.model_dir, self.vocab_size, self.eos_token_ids
+                )
+            return self._guided
+
+    # ------------------------------------------------------------------ requests
+
+    def compile_grammar(self, request: WorkerRequest) -> xgr.CompiledGrammar | None:
+        """Compile a request's constraint (slow the first time; thread-safe, so it can run off
+        the engine thread). ValueError for a bad spec."""
+        return None if request.guided is None else self.guided.compile(request.guided)
+
+    def add(self, request: WorkerRequest, grammar: xgr.CompiledGrammar | None = None) -> Sequence:
+        """Queue a request; ValueError with a client-facing message if it is invalid."""
+        validate_request(request, self.vocab_size)
+        if request.guided is not None and grammar is None:
+            grammar = self.compile_grammar(request)
+        with self.lock:
+            seq = self.scheduler.add(request)
+            if grammar is not None:
+                self.guided.add(seq.request_id, grammar)
+        return seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Drop a request and free its blocks now; None if it is unknown or already finished."""
+        with self.lock:
+            seq = self.scheduler.abort(request_id)
+            if seq is not None:
+                if request_id in self._in_flight:
+                    self._release_after_step.append(request_id)
+                else:
+                    self._release(request_id)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[SeqOutput]:
+        """One forward over the scheduled batch. Returns the sequences that gained a token
+        (finished ones carry `finish_reason`); an empty list when there was nothing to run."""
+        with self.lock:
+            out = self.scheduler.schedule()
+            self.num_preemptions += len(out.preempted)
+            self._in_flight = {c.seq.request_id for c in out.chunks}
+        if out.is_empty:
+            return []
+        sampled = self.run(out)
+        with self.lock:
+            return self.postprocess(out, sampled)
+
+    def run(self, out: SchedulerOutput) -> list[SampledToken]:
+        """Forward, grammar mask and sampling for the chunks that sample."""
+        logits = self.runner.execute(out)
+        seqs = [c.seq for c in out.chunks if c.sample]
+        if not seqs:
+            return []
+        if self._guided is not None:
+            self._guided.apply_mask(logits, [s.request_id for s in seqs])
+        return self.sampler(logits, seqs)
+
+    def postprocess(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[SeqOutput]:
+        outputs = self.scheduler.postprocess(out, sampled)
+        if self._guided is not None:
+            self._advance_grammars(outputs)
+        for o in outputs:
+            if o.finished:
+                self._release(o.seq.request_id)
+        for request_id in self._release_after_step:
+            self._release(request_id)
+        self._release_after_step.clear()
+        self._in_flight = set()
+        return outputs
+
+    def _advance_grammars(self, outputs: list[SeqOutput]) -> None:
+        guided = self.guided
+        for o in outputs:
+            rid = o.seq.request_id
+            if not guided.is_guided(rid):
+                continue
+            accepted = guided.accept(rid, o.new_tokens[-1].token_id)
+            if not o.finished and (not accepted or guided.is_terminated(rid)):
+                # The grammar ended on a stop token the scheduler let pass (ignore_eos, or
+                # before min_tokens), or rejected a token: finish the request here.
+                self.scheduler.abort(rid)
+                o.seq.finish_reason = "stop" if accepted else "error"
+                o.finished = True
+
+    def _release(self, request_id: str) -> None:
+        self.sampler.release(request_id)
+        if self._guided is not None:
+            self._guided.release(request_id)
+
+    # ------------------------------------------------------------------ facts for the worker
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return int(self.runner.kv_bytes_per_token)

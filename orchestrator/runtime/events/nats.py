@@ -1,0 +1,128 @@
+"""Event plane on NATS (nats-py core pub/sub, no JetStream).
+
+The connection is made on first use and then kept by nats-py, which reconnects forever and
+re-subscribes on its own; while NATS is away, publishes are buffered (up to nats-py's pending
+size) and then fail, and subscriptions simply wait. A subscription made while NATS cannot be
+reached keeps trying in the background instead of failing its consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import nats
+from nats.aio.client import Client
+from nats.aio.subscription import Subscription as NatsSub
+from nats.errors import Error as NatsError
+
+from orchestrator.runtime.events.base import EventPlane, Subscription
+
+log = logging.getLogger(__name__)
+
+_RETRY_MAX_S = 2.0
+
+
+class NatsEventPlane(EventPlane):
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._nc: Client | None = None
+        self._lock = asyncio.Lock()
+        self._subscriptions: set[NatsSubscription] = set()
+        self._last_warning = 0.0
+
+    async def connection(self) -> Client:
+        if self._nc is not None:
+            return self._nc
+        async with self._lock:
+            if self._nc is None:
+                self._nc = await nats.connect(
+                    self.url,
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    connect_timeout=2,
+                    ping_interval=10,
+                    error_cb=self._on_error,
+                    disconnected_cb=self._on_disconnected,
+                    reconnected_cb=self._on_reconnected,
+                )
+            return self._nc
+
+    async def publish(self, subject: str, data: bytes) -> None:
+        nc = self._nc if self._nc is not None else await self.connection()
+        await nc.publish(subject, data)
+
+    async def subscribe(self, subject: str) -> Subscription:
+        """Live on return when NATS is reachable; otherwise it keeps trying in the background."""
+        sub = NatsSubscription(self, subject)
+        self._subscriptions.add(sub)
+        await sub.try_start()
+        return sub
+
+    async def close(self) -> None:
+        for sub in list(self._subscriptions):
+            await sub.close()
+        if self._nc is not None:
+            with contextlib.suppress(NatsError, OSError):
+                await self._nc.close()
+            self._nc = None
+
+    def warn(self, message: str) -> None:
+        # One line per few seconds during an outage, not one per retry.
+        now = time.monotonic()
+        if now - self._last_warning > 5.0:
+            self._last_warning = now
+            log.warning(message)
+
+    async def _on_error(self, exc: Exception) -> None:
+        self.warn(f"NATS {self.url}: {exc!r}")
+
+    async def _on_disconnected(self) -> None:
+        self.warn(f"NATS {self.url}: disconnected, reconnecting")
+
+    async def _on_reconnected(self) -> None:
+        log.info("NATS %s: reconnected", self.url)
+
+
+class NatsSubscription(Subscription):
+    def __init__(self, plane: NatsEventPlane, subject: str) -> None:
+        self.subject = subject
+        self._plane = plane
+        self._sub: NatsSub | None = None
+        self._closed = asyncio.Event()
+
+    async def __anext__(self) -> bytes:
+        sub = self._sub if self._sub is not None else await self._start()
+        # Iterating `sub.messages` ends when the subscription is removed; so does this.
+        msg = await anext(sub.messages)
+        return msg.data
+
+    async def try_start(self) -> bool:
+        try:
+            nc = await self._plane.connection()
+            self._sub = await nc.subscribe(self.subject)
+            return True
+        except (TimeoutError, NatsError, OSError) as exc:
+            self._plane.warn(f"NATS subscribe {self.subject!r} failed ({exc!r}); retrying")
+            return False
+
+    async def _start(self) -> NatsSub:
+        delay = 0.1
+        while not self._closed.is_set():
+            if await self.try_start():
+                assert self._sub is not None
+                return self._sub
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closed.wait(), delay)
+            delay = min(delay * 2, _RETRY_MAX_S)
+        raise StopAsyncIteration
+
+    async def close(self) -> None:
+        self._closed.set()
+        self._plane._subscriptions.discard(self)
+        if self._sub is not None:
+            with contextlib.suppress(NatsError, OSError):
+                await self._sub.unsubscribe()

@@ -1,0 +1,113 @@
+"""Workers coming and going, retries, client disconnects, /health and /metrics."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from orchestrator.runtime.protocol import Instance, ModelCard
+from tests.frontend.live_frontend import MODEL, LiveFrontend, live_frontend
+from tests.frontend.tokenizer_dirs import build_chatml
+from tests.servers import free_port
+
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_chatml(tmp_path_factory.mktemp("chatml"))
+
+
+def _client(live: LiveFrontend) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.02)
+
+
+def _metric(live: LiveFrontend, line_start: str) -> float:
+    text = httpx.get(f"{live.url}/metrics").text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start)]
+    return sum(values)
+
+
+def test_client_disconnect_cancels_on_the_worker(model_dir: Path) -> None:
+    # Real-time mocker (speedup 1): 2,000 tokens take many seconds, so only a cancel ends it early.
+    with live_frontend(model_dir, num_workers=1, speedup=1.0) as live:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{live.url}/v1/chat/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            assert live.active_requests() == 1
+        _wait_for(lambda: live.active_requests() == 0)
+        _wait_for(lambda: _metric(live, "weir_frontend_client_disconnects_total") == 1)
+
+
+def test_health_follows_workers_and_models_follow_discovery(model_dir: Path) -> None:
+    with live_frontend(model_dir, num_workers=1) as live:
+        assert httpx.get(f"{live.url}/live").status_code == 200
+        assert httpx.get(f"{live.url}/health").json()["workers"] == 1
+        (worker_id,) = live.engines
+        live.call(lambda: live.discovery.deregister(worker_id))
+        _wait_for(lambda: httpx.get(f"{live.url}/health").status_code == 503)
+        assert _client(live).models.list().data == []
+        with pytest.raises(openai.NotFoundError):
+            _client(live).chat.completions.create(model=MODEL, messages=MESSAGES)
+        card = live.engines[worker_id].card
+        live.call(
+            lambda: live.discovery.register(Instance(instance_id=worker_id, component="worker", card=card))
+        )
+        _wait_for(lambda: httpx.get(f"{live.url}/health").status_code == 200)
+        assert httpx.get(f"{live.url}/live").status_code == 200
+        out = _client(live).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+        assert out.choices
+
+
+def test_unreachable_worker_is_retried_on_another(model_dir: Path) -> None:
+    with live_frontend(model_dir, num_workers=1) as live:
+        (worker_id,) = live.engines
+        card: ModelCard = live.engines[worker_id].card
+        # A worker registered at a port nothing listens on: its connection fails, retryably.
+        ghost = Instance(
+            instance_id="a-ghost", component="worker", address=f"127.0.0.1:{free_port()}", card=card
+        )
+        live.call(lambda: live.discovery.register(ghost))
+        _wait_for(lambda: httpx.get(f"{live.url}/health").json()["workers"] == 2)
+        client = _client(live)
+        for _ in range(4):  # round-robin sends at least every other one to the ghost first
+            out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+            assert out.choices[0].finish_reason in ("length", "stop")
+        assert _metric(live, "weir_frontend_retries_total") >= 2
+
+
+def test_metrics_count_requests_tokens_and_latency(model_dir: Path) -> None:
+    with live_frontend(model_dir, num_workers=1) as live:
+        client = _client(live)
+        stream: Any = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=5, stream=True, extra_body={"ignore_eos": True}
+        )
+        assert len([c for c in stream if c.choices]) >= 1
+        client.completions.create(model=MODEL, prompt="hello", max_tokens=3, extra_body={"ignore_eos": True})
+        httpx.post(f"{live.url}/v1/completions", content=b"{", timeout=10)
+        assert _metric(live, 'weir_frontend_requests_total{endpoint="chat",status="200"}') == 1
+        assert _metric(live, 'weir_frontend_requests_total{endpoint="completions",status="200"}') == 1
+        assert _metric(live, 'weir_frontend_requests_total{endpoint="completions",status="400"}') == 1
+        assert _metric(live, 'weir_frontend_errors_total{type="invalid_request_error"}') == 1
+        assert _metric(live, f'weir_frontend_output_tokens_total{{model="{MODEL}"}}') == 8
+        assert _metric(live, f'weir_frontend_input_tokens_total{{model="{MODEL}"}}') > 0
+        assert _metric(live, f'weir_frontend_time_to_first_token_seconds_count{{model="{MODEL}"}}') == 2
+        assert _metric(live, f'weir_frontend_inter_token_latency_seconds_count{{model="{MODEL}"}}') == 2
+        assert _metric(live, 'weir_frontend_inflight_requests{endpoint="chat"}') == 0
+        assert _metric(live, "weir_frontend_workers") == 1

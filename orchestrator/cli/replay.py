@@ -1,0 +1,106 @@
+"""`weir replay TRACE.jsonl`: replay a Mooncake-format trace.
+
+Offline (the default): the real router against `--workers` mocker engines in virtual time,
+so a 4,000-request trace takes seconds. Online (`--url`): the trace's requests sent in real
+time (divided by `--speedup`) to a running frontend. Both print TTFT, inter-token and
+end-to-end latency percentiles, throughput, prefix hit rate and the per-worker spread, then
+one JSON line of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+
+from router.replay import RequestRecord, TraceRequest, TraceTokens, read_trace, report, summarize
+from router.router import MODES
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "trace", help="Mooncake-format JSONL: timestamp (ms), input_length, output_length, hash_ids"
+    )
+    parser.add_argument("--url", help="replay online against this frontend (e.g. http://127.0.0.1:8000)")
+    parser.add_argument("--model", help="online: model name (default: the frontend's first model)")
+    parser.add_argument(
+        "--speedup", type=float, default=1.0, help="online: divide trace time by this (default 1)"
+    )
+    parser.add_argument("--workers", type=int, default=8, help="offline: mocker workers (default 8)")
+    parser.add_argument(
+        "--router", choices=MODES[:4], default="kv", help="offline: routing mode (default kv)"
+    )
+    parser.add_argument(
+        "--overlap-weight", type=float, help="kv: weight of blocks to prefill vs active blocks"
+    )
+    parser.add_argument("--temperature", type=float, help="kv: 0 = cheapest worker; > 0 samples (softmax)")
+    parser.add_argument(
+        "--no-kv-events", action="store_true", help="kv: predict caches from decisions, no events"
+    )
+    parser.add_argument("--kv-event-delay-ms", type=float, default=0.0, help="offline: KV event latency (ms)")
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per engine KV block (default 64)")
+    parser.add_argument("--cache-blocks", type=int, default=16_384, help="offline: KV blocks per worker")
+    parser.add_argument(
+        "--trace-block-size", type=int, default=512, help="tokens per trace hash id (default 512)"
+    )
+    parser.add_argument("--vocab-size", type=int, default=32_000, help="synthetic token ids fall below this")
+    parser.add_argument("--max-requests", type=int, help="replay only the first N requests")
+    parser.add_argument("--seed", type=int, default=0, help="router seed for random choices (default 0)")
+    parser.add_argument("--output", help="also write the final JSON line to this file")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.trace_block_size % args.block_size:
+        size, trace_size = args.block_size, args.trace_block_size
+        print(f"weir replay: --block-size {size} must divide --trace-block-size {trace_size}", file=sys.stderr)
+        return 2
+    try:
+        trace, errors = read_trace(args.trace, args.trace_block_size)
+    except OSError as exc:
+        print(f"weir replay: cannot read {args.trace}: {exc}", file=sys.stderr)
+        return 2
+    for error in errors:
+        print(error, file=sys.stderr)
+    trace = trace[: args.max_requests] if args.max_requests else trace
+    if not trace:
+        print("weir replay: the trace holds no valid request", file=sys.stderr)
+        return 2
+    tokens = TraceTokens(args.trace_block_size, args.vocab_size)
+    started = time.perf_counter()
+    if args.url:
+        from router.replay_online import replay_online
+
+        records = asyncio.run(replay_online(args.url, trace, tokens, args.model, args.speedup))
+        label = "frontend"
+    else:
+        records = _offline(args, trace, tokens)
+        label = args.router if args.router != "kv" or not args.no_kv_events else "kv-approx"
+    print(f"replayed {len(trace)} requests in {time.perf_counter() - started:.1f} s wall", file=sys.stderr)
+    report(summarize(records, label), args.output)
+    return 0
+
+
+def _offline(args: argparse.Namespace, trace: list[TraceRequest], tokens: TraceTokens) -> list[RequestRecord]:
+    from backends.mocker.config import MockerConfig
+    from backends.mocker.replay import OfflineReplay
+    from router.router import make_router
+
+    params = {"overlap_weight": args.overlap_weight, "temperature": args.temperature}
+    router = make_router(
+        args.router,
+        args.block_size,
+        kv_events=not args.no_kv_events,
+        seed=args.seed,
+        **{k: v for k, v in params.items() if v is not None},
+    )
+    longest = max(r.input_length + r.output_length for r in trace)
+    config = MockerConfig(
+        num_blocks=args.cache_blocks,
+        block_size=args.block_size,
+        vocab_size=args.vocab_size,
+        context_length=max(longest, MockerConfig().context_length),
+    )
+    return OfflineReplay(router, config, args.workers, tokens, args.kv_event_delay_ms).run(trace)

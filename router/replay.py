@@ -1,0 +1,194 @@
+"""Trace replay, the parts every driver shares: reading Mooncake traces, turning their block
+ids into tokens, and summarising what happened.
+
+A Mooncake trace line is `{"timestamp": ms, "input_length": n, "output_length": m,
+"hash_ids": [...]}`: prompt block i (of `trace_block_size` tokens, 512 in Mooncake's) is
+named by `hash_ids[i]`, and equal ids mean equal content with an equal prefix. Tokens are
+derived from the id alone, so equal ids give equal tokens and hence equal engine block
+hashes at any engine block size. The drivers live above the router: the offline one in
+`backends.mocker.replay` (it runs mocker engines), the online one in `router.replay_online`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import statistics
+import sys
+from array import array
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import msgspec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    line: int
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+class _TraceLine(msgspec.Struct):
+    timestamp: float
+    input_length: int
+    output_length: int
+    hash_ids: list[int]
+
+
+def read_trace(path: str | Path, trace_block_size: int = 512) -> tuple[list[TraceRequest], list[str]]:
+    """The trace's requests in arrival order, and one message per malformed line (skipped)."""
+    decoder = msgspec.json.Decoder(_TraceLine)
+    requests: list[TraceRequest] = []
+    errors: list[str] = []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                line = decoder.decode(raw)
+            except msgspec.DecodeError as exc:
+                errors.append(f"{path}:{number}: malformed trace line skipped: {exc}")
+                continue
+            problem = _check(line, trace_block_size)
+            if problem:
+                errors.append(f"{path}:{number}: malformed trace line skipped: {problem}")
+                continue
+            requests.append(
+                TraceRequest(
+                    number, line.timestamp, line.input_length, line.output_length, tuple(line.hash_ids)
+                )
+            )
+    requests.sort(key=lambda r: r.timestamp_ms)  # stable: equal timestamps keep file order
+    return requests, errors
+
+
+def _check(line: _TraceLine, trace_block_size: int) -> str | None:
+    if line.input_length <= 0 or line.output_length <= 0:
+        return "input_length and output_length must be positive"
+    if not math.isfinite(line.timestamp) or line.timestamp < 0:
+        return "timestamp must be a non-negative number of milliseconds"
+    blocks = -(-line.input_length // trace_block_size)
+    if len(line.hash_ids) != blocks:
+        return f"{line.input_length} input tokens need {blocks} hash_ids, got {len(line.hash_ids)}"
+    return None
+
+
+class TraceTokens:
+    """Deterministic synthetic tokens for trace blocks."""
+
+    def __init__(self, trace_block_size: int = 512, vocab_size: int = 32_000) -> None:
+        self.trace_block_size = trace_block_size
+        self.vocab_size = vocab_size
+        self._block = lru_cache(maxsize=16_384)(self._make_block)
+
+    def _make_block(self, hash_id: int) -> array[int]:
+        bits = random.Random(hash_id).getrandbits(32 * self.trace_block_size)
+        words = array("I", bits.to_bytes(4 * self.trace_block_size, "little"))
+        return array("I", (w % self.vocab_size for w in words))
+
+    def prompt(self, request: TraceRequest) -> list[int]:
+        tokens = array("I")
+        for hash_id in request.hash_ids:
+            tokens.extend(self._block(hash_id))
+        del tokens[request.input_length :]
+        return tokens.tolist()
+
+
+# ---------------------------------------------------------------------------- results
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One replayed request's timeline (milliseconds on the driver's clock)."""
+
+    arrival_ms: float
+    worker_id: str = ""
+    first_token_ms: float | None = None
+    finish_ms: float | None = None
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Summary:
+    figures: dict[str, float | int | str | None] = field(default_factory=dict)
+    workers: dict[str, int] = field(default_factory=dict)
+
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1)], 2)
+
+
+def summarize(records: Sequence[RequestRecord], label: str) -> Summary:
+    done = [r for r in records if r.finish_ms is not None and r.error is None]
+    ttft = [r.first_token_ms - r.arrival_ms for r in done if r.first_token_ms is not None]
+    e2e = [r.finish_ms - r.arrival_ms for r in done if r.finish_ms is not None]
+    itl = [
+        (r.finish_ms - r.first_token_ms) / (r.output_tokens - 1)
+        for r in done
+        if r.first_token_ms is not None and r.finish_ms is not None and r.output_tokens > 1
+    ]
+    prompt = sum(r.prompt_tokens for r in done)
+    span_s = (
+        (max((r.finish_ms or 0.0) for r in done) - min(r.arrival_ms for r in records)) / 1e3 if done else 0.0
+    )
+    figures: dict[str, float | int | str | None] = {
+        "router": label,
+        "requests": len(records),
+        "completed": len(done),
+    }
+    figures["failed"] = len(records) - len(done)
+    figures["hit_rate"] = round(sum(r.cached_tokens for r in done) / prompt, 4) if prompt else 0.0
+    for name, values in (("ttft", ttft), ("itl", itl), ("e2e", e2e)):
+        figures[f"{name}_mean_ms"] = round(statistics.fmean(values), 2) if values else None
+        for q in (50, 90, 99):
+            figures[f"{name}_p{q}_ms"] = _pct(values, q)
+    figures["requests_per_s"] = round(len(done) / span_s, 3) if span_s else 0.0
+    figures["output_tokens_per_s"] = round(sum(r.output_tokens for r in done) / span_s, 1) if span_s else 0.0
+    per_worker = Counter(r.worker_id for r in records if r.worker_id)
+    if per_worker:
+        counts = list(per_worker.values())
+        figures["worker_requests_min"] = min(counts)
+        figures["worker_requests_max"] = max(counts)
+        figures["worker_requests_cv"] = round(statistics.pstdev(counts) / statistics.fmean(counts), 3)
+    return Summary(figures, dict(sorted(per_worker.items())))
+
+
+def report(summary: Summary, output: str | None = None) -> None:
+    """Human table on stdout, then the figures as one JSON line (also written to `output`)."""
+    f = summary.figures
+    print(
+        f"router {f['router']}: {f['completed']}/{f['requests']} requests completed, hit rate {f['hit_rate']}"
+    )
+    print(f"{'':6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}  (ms)")
+    for name in ("ttft", "itl", "e2e"):
+        row = "".join(_cell(f[f"{name}_{k}_ms"]) for k in ("mean", "p50", "p90", "p99"))
+        print(f"{name.upper():6}{row}")
+    print(f"throughput: {f['requests_per_s']} requests/s, {f['output_tokens_per_s']} output tokens/s")
+    if summary.workers:
+        spread = ", ".join(f"{w}={n}" for w, n in summary.workers.items())
+        print(f"requests per worker (cv {f['worker_requests_cv']}): {spread}")
+    line = json.dumps(f)
+    if output:
+        Path(output).write_text(line + "\n")
+    print(line)
+    sys.stdout.flush()
+
+
+def _cell(value: object) -> str:
+    return f"{value:>10.1f}" if isinstance(value, float | int) else f"{'-':>10}"

@@ -100,14 +100,18 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        running, chunks, block_size = self.running, out.chunks, self.block_size
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(len(seq) - seq.num_computed_tokens, budget)
-            if not self._make_room(seq, n, out):
-                break  # seq itself was preempted; everything after it already was
-            self.block_manager.allocate(seq, n)
-            out.chunks.append(self._chunk(seq, n))
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            start, total = seq.num_computed_tokens, len(seq.token_ids)
+            n = min(total - start, budget)
+            # Most decode steps fit in the last block's free slots: nothing to allocate.
+            if start + n > len(seq.block_table) * block_size:
+                if not self._make_room(seq, n, out):
+                    break  # seq itself was preempted; everything after it already was
+                self.block_manager.allocate(seq, n)
+            chunks.append(ScheduledChunk(seq, start, n, start + n == total))
             budget -= n
             i += 1
         return budget
@@ -140,13 +144,9 @@ class Scheduler:
             bm.allocate(seq, n, prefix)
             seq.status = SequenceStatus.RUNNING
             insort(self.running, seq, key=self._key)
-            out.chunks.append(self._chunk(seq, n))
+            start = seq.num_computed_tokens
+            out.chunks.append(ScheduledChunk(seq, start, n, start + n == len(seq)))
             budget -= n
-
-    @staticmethod
-    def _chunk(seq: Sequence, num_tokens: int) -> ScheduledChunk:
-        start = seq.num_computed_tokens
-        return ScheduledChunk(seq, start, num_tokens, start + num_tokens == len(seq))
 
     def postprocess(self, out: SchedulerOutput, sampled: Seq[SampledToken]) -> list[SeqOutput]:
         """Apply a finished step: `sampled` holds one token per chunk with `sample=True`, in
@@ -181,12 +181,12 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
         request = seq.request
-        generated = seq.num_completion_tokens
+        generated = len(seq.token_ids) - seq.num_prompt_tokens
         if generated >= request.min_tokens and (
             token_id in request.stop_token_ids or (not request.ignore_eos and token_id in self.eos_token_ids)
         ):
             return "stop"
-        if generated >= request.max_tokens or (self.max_model_len and len(seq) >= self.max_model_len):
+        if generated >= request.max_tokens or (self.max_model_len and len(seq.token_ids) >= self.max_model_len):
             return "length"
         return None
 

@@ -1,0 +1,156 @@
+"""A simulated engine, stepped in virtual time.
+
+`MockerCore` runs DeepInfer's real scheduler and block manager (continuous batching,
+chunked prefill, prefix caching, preemption, KV events) and replaces the model with a
+timing model and a deterministic token generator. It never sleeps and never touches an
+event loop: `step()` returns how long the step would have taken, and the caller decides
+what to do with that, either wait it out (`MockerEngine`) or advance a virtual clock
+(offline trace replay, driving many cores at once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import xxhash
+
+from backends.deepinfer.config import EngineConfig
+from backends.deepinfer.outputs import SampledToken
+from backends.deepinfer.scheduler import Scheduler
+from backends.deepinfer.sequence import Sequence
+from backends.mocker.config import MockerConfig
+from orchestrator.runtime.protocol import (
+    FinishReason,
+    KvEventBatch,
+    KvSnapshot,
+    LoadReport,
+    Usage,
+    WorkerRequest,
+)
+
+_M64 = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request. `usage` comes with the last output only."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+
+@dataclass(slots=True)
+class StepResult:
+    duration_ms: float  # simulated, before any speedup
+    outputs: list[RequestOutput]
+
+
+class MockerCore:
+    def __init__(self, config: MockerConfig) -> None:
+        self.config = config
+        engine_config = EngineConfig(
+            block_size=config.block_size,
+            num_kv_blocks=config.num_blocks,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.context_length,
+            enable_prefix_caching=config.enable_prefix_caching,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        # No EOS: the mocker only stops on max_tokens, stop_token_ids or the context length.
+        self.scheduler = Scheduler(engine_config, config.num_blocks)
+        self.block_manager = self.scheduler.block_manager
+        self.timing = config.timing
+        self.clock_ms = 0.0  # simulated time spent in steps so far
+        self._seeds: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ requests
+
+    def add(self, request: WorkerRequest) -> None:
+        """Queue a request; ValueError with a client-facing message if it can never run."""
+        self.scheduler.add(request)
+        seed = request.sampling.seed
+        self._seeds[request.request_id] = (
+            xxhash.xxh3_64_intdigest(request.request_id.encode()) if seed is None else seed
+        )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request and free its blocks; its final output, or None if unknown."""
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return None
+        del self._seeds[request_id]
+        return RequestOutput(request_id, [], "abort", _usage(seq))
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> StepResult:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return StepResult(0.0, [])
+        prefill_tokens = 0
+        decoding = False
+        sampled: list[SampledToken] = []
+        seeds, vocab_size = self._seeds, self.config.vocab_size
+        for chunk in out.chunks:
+            seq = chunk.seq
+            length = len(seq.token_ids)
+            if chunk.num_tokens == 1 and length > seq.num_prompt_tokens:
+                decoding = True
+            else:
+                prefill_tokens += chunk.num_tokens  # a prompt, or a preempted sequence's recompute
+            if chunk.sample:
+                sampled.append(SampledToken(_token(seeds[seq.request_id], length, vocab_size)))
+        duration = self.timing.step_ms(prefill_tokens, decoding, self.block_manager.usage)
+        self.clock_ms += duration
+        outputs: list[RequestOutput] = []
+        for result in self.scheduler.postprocess(out, sampled):
+            seq = result.seq
+            token_ids = seq.token_ids[-len(result.new_tokens) :]
+            if result.finished:
+                del self._seeds[seq.request_id]
+                reason: FinishReason = "stop" if seq.finish_reason == "stop" else "length"
+                outputs.append(RequestOutput(seq.request_id, token_ids, reason, _usage(seq)))
+            else:
+                outputs.append(RequestOutput(seq.request_id, token_ids))
+        return StepResult(duration, outputs)
+
+    # ------------------------------------------------------------------ observability
+
+    def load(self) -> LoadReport:
+        s = self.scheduler
+        return LoadReport(
+            worker_id="",
+            active_requests=s.num_running,
+            waiting_requests=s.num_waiting,
+            active_blocks=self.block_manager.num_active_blocks,
+            total_blocks=self.block_manager.num_blocks,
+            queued_prefill_tokens=s.queued_prefill_tokens(),
+        )
+
+    def take_kv_events(self) -> list[KvEventBatch]:
+        return self.block_manager.take_events()
+
+    def kv_snapshot(self) -> KvSnapshot:
+        return self.block_manager.snapshot()
+
+
+def _token(seed: int, position: int, vocab_size: int) -> int:
+    """The token at `position`: a function of (seed, position) only, so the same seed gives
+    the same tokens whatever else runs, and a preempted sequence regenerates nothing."""
+    x = (seed + position * 0x9E3779B97F4A7C15) & _M64  # splitmix64's mixer
+    x = ((x ^ (x >> 31)) * 0xBF58476D1CE4E5B9) & _M64
+    return (x ^ (x >> 29)) % vocab_size
+
+
+def _usage(seq: Sequence) -> Usage:
+    return Usage(
+        prompt_tokens=seq.num_prompt_tokens,
+        completion_tokens=seq.num_completion_tokens,
+        cached_tokens=seq.num_cached_tokens,
+    )

@@ -1,0 +1,200 @@
+"""MockerCore: virtual-time steps over the real DeepInfer scheduler and block manager."""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.mocker.config import MockerConfig
+from backends.mocker.core import MockerCore, RequestOutput
+from orchestrator.runtime.protocol import (
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    SamplingOptions,
+    WorkerRequest,
+)
+
+
+def request(
+    rid: str, prompt: int | list[int] = 100, max_tokens: int = 8, seed: int | None = None, **kw: object
+) -> WorkerRequest:
+    tokens = list(range(1000, 1000 + prompt)) if isinstance(prompt, int) else prompt
+    return WorkerRequest(
+        request_id=rid,
+        token_ids=tokens,
+        max_tokens=max_tokens,
+        sampling=SamplingOptions(seed=seed),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def drain(core: MockerCore) -> dict[str, list[RequestOutput]]:
+    outputs: dict[str, list[RequestOutput]] = {}
+    while core.has_work():
+        for out in core.step().outputs:
+            outputs.setdefault(out.request_id, []).append(out)
+    return outputs
+
+
+def tokens_of(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+def test_step_durations_follow_the_timing_model() -> None:
+    core = MockerCore(MockerConfig())
+    core.add(request("a", prompt=1000, max_tokens=3))
+    first = core.step()
+    assert first.duration_ms == pytest.approx(core.timing.prefill(1000))
+    usage = 16 / 16_384  # 1001 tokens' KV in 64-token blocks
+    second = core.step()
+    assert second.duration_ms == pytest.approx(core.timing.decode(usage))
+    core.add(request("b", prompt=list(range(200)), max_tokens=2))
+    mixed = core.step()
+    assert mixed.duration_ms == pytest.approx(core.timing.prefill(200) + core.timing.decode(20 / 16_384))
+    assert core.clock_ms == pytest.approx(first.duration_ms + second.duration_ms + mixed.duration_ms)
+
+
+def test_outputs_carry_tokens_finish_reason_and_usage() -> None:
+    core = MockerCore(MockerConfig(vocab_size=500))
+    core.add(request("a", prompt=100, max_tokens=5))
+    outs = drain(core)["a"]
+    assert [len(o.token_ids) for o in outs] == [1] * 5
+    assert all(o.finish_reason is None and o.usage is None for o in outs[:-1])
+    last = outs[-1]
+    assert last.finish_reason == "length"
+    assert last.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.cached_tokens) == (100, 5, 0)
+    assert all(0 <= t < 500 for t in tokens_of(outs))
+
+
+def test_tokens_are_deterministic_for_a_seed_whatever_else_runs() -> None:
+    alone = MockerCore(MockerConfig())
+    alone.add(request("x", seed=7, max_tokens=20))
+    busy = MockerCore(MockerConfig(max_num_batched_tokens=256))
+    for i in range(10):
+        busy.add(request(f"other{i}", prompt=300, max_tokens=30))
+    busy.add(request("y", seed=7, max_tokens=20))  # another id, the same seed
+    other_seed = MockerCore(MockerConfig())
+    other_seed.add(request("x", seed=8, max_tokens=20))
+    a, b, c = tokens_of(drain(alone)["x"]), tokens_of(drain(busy)["y"]), tokens_of(drain(other_seed)["x"])
+    assert a == b
+    assert a != c
+    assert len(set(a)) > 15  # not a constant stream
+
+
+def test_without_a_seed_the_request_id_decides() -> None:
+    def run(rid: str) -> list[int]:
+        core = MockerCore(MockerConfig())
+        core.add(request(rid, max_tokens=10))
+        return tokens_of(drain(core)[rid])
+
+    assert run("same") == run("same")
+    assert run("same") != run("different")
+
+
+def test_stop_token_ids_end_the_request() -> None:
+    core = MockerCore(MockerConfig())
+    core.add(request("probe", seed=3, max_tokens=10))
+    expected = tokens_of(drain(core)["probe"])
+    stop_at = expected[4]
+    core.add(request("r", seed=3, max_tokens=10, stop_token_ids=[stop_at]))
+    outs = drain(core)["r"]
+    assert tokens_of(outs) == expected[: expected.index(stop_at) + 1]
+    assert outs[-1].finish_reason == "stop"
+
+
+def test_a_repeated_prompt_reports_cached_tokens_and_prefills_less() -> None:
+    core = MockerCore(MockerConfig())
+    prompt = list(range(5000, 5000 + 1000))
+    core.add(request("first", prompt=prompt, max_tokens=2))
+    cold = core.step().duration_ms
+    drain(core)
+    core.add(request("second", prompt=prompt, max_tokens=2))
+    warm = core.step().duration_ms
+    outs = drain(core)["second"]
+    usage = outs[-1].usage
+    assert usage is not None and usage.cached_tokens == 960  # 15 full blocks of 64
+    assert warm == pytest.approx(core.timing.prefill(40)) and warm < cold
+
+
+def test_preemption_under_a_tiny_budget_still_completes_identically() -> None:
+    def run(num_blocks: int) -> tuple[dict[str, list[int]], int]:
+        core = MockerCore(MockerConfig(num_blocks=num_blocks, block_size=16))
+        for i in range(8):
+            core.add(request(f"r{i}", prompt=list(range(i * 1000, i * 1000 + 60)), max_tokens=40))
+        preempted = 0
+        outputs: dict[str, list[int]] = {}
+        while core.has_work():
+            outs = core.step().outputs
+            preempted = max(preempted, core.scheduler.num_waiting)
+            for o in outs:
+                outputs.setdefault(o.request_id, []).extend(o.token_ids)
+        assert core.block_manager.num_active_blocks == 0
+        return outputs, preempted
+
+    roomy, _ = run(num_blocks=1024)
+    tight, waiting = run(num_blocks=12)  # one request needs 7 blocks at its longest
+    assert tight == roomy and waiting > 0
+    assert all(len(t) == 40 for t in tight.values())
+
+
+def test_abort_frees_blocks_and_returns_the_final_output() -> None:
+    core = MockerCore(MockerConfig())
+    core.add(request("a", prompt=640, max_tokens=50))
+    core.step()
+    core.step()
+    assert core.block_manager.num_active_blocks == 11
+    final = core.abort("a")
+    assert final is not None and final.finish_reason == "abort"
+    assert final.usage is not None and final.usage.completion_tokens == 2
+    assert core.block_manager.num_active_blocks == 0 and not core.has_work()
+    assert core.abort("a") is None
+
+
+def test_invalid_requests_raise_value_error() -> None:
+    core = MockerCore(MockerConfig(num_blocks=4, block_size=16))
+    with pytest.raises(ValueError, match="KV cache holds 64"):
+        core.add(request("big", prompt=60, max_tokens=10))
+
+
+def test_kv_events_reproduce_the_snapshot() -> None:
+    core = MockerCore(MockerConfig(num_blocks=40, block_size=16))
+    index: set[int] = set()
+    last_id = 0
+    evictions = 0
+    for i in range(30):
+        core.add(request(f"r{i}", prompt=list(range(i % 4 * 100, i % 4 * 100 + 50 + i)), max_tokens=20))
+        for _ in range(3):
+            core.step()
+        for batch in core.take_kv_events():
+            assert batch.event_id == last_id + 1
+            last_id = batch.event_id
+            for event in batch.events:
+                if isinstance(event, BlockStored):
+                    index.update(event.blocks)
+                elif isinstance(event, BlockRemoved):
+                    assert set(event.seq_hashes) <= index
+                    evictions += len(event.seq_hashes)
+                    index.difference_update(event.seq_hashes)
+                elif isinstance(event, AllCleared):
+                    index.clear()
+    drain(core)
+    snapshot = core.kv_snapshot()
+    for batch in core.take_kv_events():
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                index.update(event.blocks)
+            elif isinstance(event, BlockRemoved):
+                index.difference_update(event.seq_hashes)
+    assert index == set(snapshot.blocks["device"])
+    assert evictions > 0 and len(index) <= 40  # the small pool did evict
+
+
+def test_load_report_counts() -> None:
+    core = MockerCore(MockerConfig(max_num_seqs=2))
+    for i in range(3):
+        core.add(request(f"r{i}", prompt=100))
+    core.step()
+    load = core.load()
+    assert (load.active_requests, load.waiting_requests, load.total_blocks) == (2, 1, 16_384)
+    assert load.active_blocks == 4 and load.queued_prefill_tokens == 100

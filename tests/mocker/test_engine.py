@@ -1,0 +1,148 @@
+"""MockerEngine: the mocker behind the Engine protocol, paced on an asyncio loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from backends.mocker.config import MockerConfig
+from backends.mocker.core import MockerCore
+from backends.mocker.engine import MockerEngine
+from orchestrator.runtime.engine import EngineError
+from orchestrator.runtime.protocol import SamplingOptions, TokenDelta, WorkerRequest
+
+FAST = 1e6  # speedup: steps take no wall time to speak of
+
+
+def request(rid: str, prompt: int = 100, max_tokens: int = 8, seed: int | None = None) -> WorkerRequest:
+    return WorkerRequest(
+        request_id=rid,
+        token_ids=list(range(3000, 3000 + prompt)),
+        max_tokens=max_tokens,
+        sampling=SamplingOptions(seed=seed),
+    )
+
+
+async def collect(stream: AsyncIterator[TokenDelta]) -> list[TokenDelta]:
+    return [delta async for delta in stream]
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[MockerEngine]:
+    eng = MockerEngine(MockerConfig(model_name="mock-a", model_path="/tmp/tok", speedup=FAST))
+    await eng.start()
+    yield eng
+    await eng.stop()
+
+
+async def test_card_describes_the_mocker(engine: MockerEngine) -> None:
+    card = engine.card
+    assert (card.name, card.model_path, card.backend) == ("mock-a", "/tmp/tok", "mocker")
+    assert (card.block_size, card.total_kv_blocks, card.max_num_seqs) == (64, 16_384, 256)
+
+
+async def test_a_request_streams_to_its_end_with_usage(engine: MockerEngine) -> None:
+    deltas = await collect(engine.generate(request("a", max_tokens=6, seed=11)))
+    tokens = [t for d in deltas for t in d.token_ids]
+    last = deltas[-1]
+    assert last.finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
+    assert last.usage is not None and (last.usage.prompt_tokens, last.usage.completion_tokens) == (100, 6)
+    core = MockerCore(MockerConfig())  # the same seed in a bare core gives the same tokens
+    core.add(request("other", max_tokens=6, seed=11))
+    expected = []
+    while core.has_work():
+        expected += [t for o in core.step().outputs for t in o.token_ids]
+    assert tokens == expected
+
+
+async def test_tokens_ready_together_travel_together(engine: MockerEngine) -> None:
+    stream = engine.generate(request("slow-reader", max_tokens=40))
+    first = await anext(stream)
+    await asyncio.sleep(0.05)  # the engine keeps stepping meanwhile
+    rest = await collect(stream)
+    assert len(first.token_ids) + sum(len(d.token_ids) for d in rest) == 40
+    assert len(rest) < 39 and max(len(d.token_ids) for d in rest) > 1
+
+
+async def test_closing_the_stream_aborts_and_frees_blocks(engine: MockerEngine) -> None:
+    stream = engine.generate(request("gone", prompt=640, max_tokens=10_000))
+    await anext(stream)
+    assert engine.load().active_blocks > 0
+    await stream.aclose()
+    load = engine.load()
+    assert (load.active_requests, load.waiting_requests, load.active_blocks) == (0, 0, 0)
+
+
+async def test_a_repeated_prompt_reports_cached_tokens(engine: MockerEngine) -> None:
+    await collect(engine.generate(request("one", prompt=1000, max_tokens=2)))
+    deltas = await collect(engine.generate(request("two", prompt=1000, max_tokens=2)))
+    usage = deltas[-1].usage
+    assert usage is not None and usage.cached_tokens == 960
+
+
+async def test_bad_requests_are_typed_errors(engine: MockerEngine) -> None:
+    with pytest.raises(EngineError) as info:
+        await collect(engine.generate(request("empty", prompt=0)))
+    assert info.value.code == "invalid_request"
+    stream = engine.generate(request("dup", max_tokens=1000))
+    await anext(stream)
+    with pytest.raises(EngineError, match="already in use"):
+        await collect(engine.generate(request("dup")))
+    await stream.aclose()
+
+
+async def test_stop_ends_in_flight_requests_with_abort() -> None:
+    eng = MockerEngine(MockerConfig(speedup=1.0))
+    await eng.start()
+    stream = eng.generate(request("long", max_tokens=10_000))
+    await anext(stream)
+    await eng.stop()
+    rest = await collect(stream)
+    assert rest[-1].finish_reason == "abort" and rest[-1].usage is not None
+    with pytest.raises(EngineError) as info:
+        await collect(eng.generate(request("late")))
+    assert info.value.code == "unavailable"
+
+
+async def test_wall_time_follows_simulated_time_over_speedup() -> None:
+    config = MockerConfig(speedup=4.0)
+    eng = MockerEngine(config)
+    await eng.start()
+    started = time.monotonic()
+    await collect(eng.generate(request("paced", prompt=1000, max_tokens=10)))
+    elapsed = time.monotonic() - started
+    await eng.stop()
+    simulated_s = eng.core.clock_ms / 1000  # about 32 ms prefill + 9 decodes of about 5.8 ms
+    assert simulated_s > 0.08
+    assert elapsed >= 0.9 * simulated_s / config.speedup
+
+
+async def test_kv_events_and_snapshot_agree(engine: MockerEngine) -> None:
+    await collect(engine.generate(request("kv", prompt=300, max_tokens=2)))
+    batches = engine.take_kv_events()
+    assert [b.event_id for b in batches] == list(range(1, len(batches) + 1))
+    stored = {h for b in batches for e in b.events for h in getattr(e, "blocks", [])}
+    assert stored == set(engine.kv_snapshot().blocks["device"]) and len(stored) == 4
+
+
+async def test_many_engines_share_one_process() -> None:
+    engines = [MockerEngine(MockerConfig(model_name=f"m{i}", speedup=FAST)) for i in range(8)]
+    for eng in engines:
+        await eng.start()
+    jobs = [
+        collect(eng.generate(request(f"e{i}-r{j}", prompt=50 + j, max_tokens=16, seed=j)))
+        for i, eng in enumerate(engines)
+        for j in range(25)
+    ]
+    results = await asyncio.gather(*jobs)
+    for eng in engines:
+        await eng.stop()
+    assert all(r[-1].finish_reason == "length" for r in results)
+    assert all(sum(len(d.token_ids) for d in r) == 16 for r in results)
+    # The same seed and prompt on different engines gives the same tokens.
+    by_engine = [[t for d in results[i * 25 + 3] for t in d.token_ids] for i in range(8)]
+    assert all(tokens == by_engine[0] for tokens in by_engine)
+    assert all(eng.load().active_blocks == 0 for eng in engines)

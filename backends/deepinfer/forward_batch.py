@@ -1,0 +1,47 @@
+"""One step's flattened inputs and the paged-attention metadata that goes with them.
+
+The model runner builds a `ForwardBatch` from a `SchedulerOutput` and hands it down the model
+explicitly (no module-global context): every attention layer reads the same slot mapping and
+block-table views. Tokens of all chunks are concatenated in chunk order ("flat" positions).
+
+Attention splits the batch two ways:
+- decode tokens (chunks of one token) are attended together, each over its own context padded
+  to the longest one (`decode_slots` + `decode_mask`);
+- prefill chunks (more than one token) are attended one by one, over the context slots before
+  the chunk (`PrefillSpan.context_slots`) plus the chunk itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """A chunk of `end - begin` query tokens at flat positions [begin, end) whose sequence
+    already has `context_len` tokens in the cache before the chunk."""
+
+    begin: int
+    end: int
+    context_len: int
+    # Cache slots of all context_len + (end - begin) tokens; None when context_len == 0 (then
+    # the chunk's own k/v are used directly, without a round trip through the cache).
+    context_slots: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) per token
+    prefills: list[PrefillSpan]
+    decode_index: torch.Tensor | None  # [B] flat positions of single-token chunks
+    decode_slots: torch.Tensor | None  # [B, L] cache slots of each decode token's context
+    decode_mask: torch.Tensor | None  # [B, 1, 1, L] bool, True where decode_slots is real
+    sample_index: torch.Tensor  # [S] flat positions whose logits are returned
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

@@ -1,0 +1,55 @@
+"""A checkpoint's config.json, read once, with attribute access and defaults."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class HFConfig:
+    """The raw config.json fields. Missing fields raise AttributeError naming the file, so a
+    checkpoint lacking something a model needs fails with a clear message; `get` has defaults."""
+
+    def __init__(self, fields: dict[str, Any], source: str = "config.json") -> None:
+        self._fields = fields
+        self._source = source
+
+    @classmethod
+    def load(cls, model_dir: Path) -> HFConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{model_dir} is not a checkpoint directory: no config.json")
+        return cls(json.loads(path.read_text()), str(path))
+
+    def __getattr__(self, name: str) -> Any:
+        fields = self.__dict__.get("_fields", {})
+        if name in fields and fields[name] is not None:
+            return fields[name]
+        raise AttributeError(f"{self.__dict__.get('_source')} has no {name!r}")
+
+    def get(self, name: str, default: Any = None) -> Any:
+        value = self._fields.get(name)
+        return default if value is None else value
+
+    @property
+    def architecture(self) -> str:
+        archs = self.get("architectures") or []
+        if len(archs) != 1:
+            raise ValueError(f"{self._source}: expected one entry in 'architectures', got {archs}")
+        return str(archs[0])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.get("head_dim") or self.hidden_size // self.num_attention_heads)
+
+    @property
+    def rope_parameters(self) -> dict[str, Any]:
+        """RoPE settings in transformers 5's shape (`rope_parameters`), also accepting the older
+        `rope_theta` + `rope_scaling` fields."""
+        params = dict(self.get("rope_parameters") or self.get("rope_scaling") or {})
+        params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+        params.setdefault("rope_theta", self.get("rope_theta", 10000.0))
+        if params["rope_type"] in ("llama3", "yarn"):
+            params.setdefault("original_max_position_embeddings", self.max_position_embeddings)
+        return params

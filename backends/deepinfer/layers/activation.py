@@ -1,0 +1,21 @@
+"""Gated activation for a fused gate/up projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """`silu(gate) * up` where the input is `[gate | up]` along the last dimension."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def activation(name: str) -> nn.Module:
+    if name != "silu":
+        raise ValueError(f"unsupported hidden_act {name!r}: DeepInfer implements gated silu only")
+    return SiluAndMul()

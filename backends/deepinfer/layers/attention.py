@@ -1,0 +1,107 @@
+"""Paged attention over a per-layer KV cache, in plain torch (CPU and CUDA alike).
+
+The cache of a layer is `[num_blocks, block_size, *entry]`; a token at position p of a sequence
+lives in slot `block_table[p // block_size] * block_size + p % block_size`. Each step first
+writes the new tokens' entries into their slots, then attends: decode tokens together over
+their padded contexts, prefill chunks one by one with a causal mask offset by the cached prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backends.deepinfer.forward_batch import ForwardBatch, PrefillSpan
+
+
+def store(cache: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor) -> None:
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, entries.to(cache.dtype))
+
+
+def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Entries at `slots` (any shape) -> `[*slots.shape, *entry]`."""
+    return cache.view(-1, *cache.shape[2:])[slots]
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q `[n, H, d]` are the last n of the L positions in k `[L, Hk, d]`, v `[L, Hk, dv]`;
+    query i sees keys 0 .. L - n + i. Returns `[n, H, dv]`."""
+    n, length = q.shape[0], k.shape[0]
+    mask = None
+    if n != length:
+        mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(diagonal=length - n)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.transpose(0, 1)
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query per sequence: q `[B, H, d]` over k `[B, L, Hk, d]`, v `[B, L, Hk, dv]`, with
+    `mask` `[B, 1, 1, L]` marking real context. Returns `[B, H, dv]`."""
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[2],
+    )
+    return out.squeeze(2)
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query attention whose K and V live in the paged cache."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = (
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scale,
+        )
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+    def allocate_cache(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """q `[T, H, d]`, k and v `[T, Hk, d]` for the batch's tokens -> `[T, H, d]`."""
+        store(self.k_cache, batch.slot_mapping, k)
+        store(self.v_cache, batch.slot_mapping, v)
+        out = torch.empty_like(q)
+        for span in batch.prefills:
+            keys, values = self._context(span, k, v)
+            out[span.begin : span.end] = prefill_attention(q[span.begin : span.end], keys, values, self.scale)
+        if batch.decode_index is not None:
+            assert batch.decode_slots is not None and batch.decode_mask is not None
+            keys, values = gather(self.k_cache, batch.decode_slots), gather(self.v_cache, batch.decode_slots)
+            out[batch.decode_index] = decode_attention(
+                q[batch.decode_index], keys, values, batch.decode_mask, self.scale
+            ).to(q.dtype)
+        return out
+
+    def _context(
+        self, span: PrefillSpan, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if span.context_slots is None:  # nothing cached before the chunk: use it as computed
+            return k[span.begin : span.end], v[span.begin : span.end]
+        return gather(self.k_cache, span.context_slots), gather(self.v_cache, span.context_slots)

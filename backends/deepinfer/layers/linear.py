@@ -1,0 +1,71 @@
+"""Linear layers whose parameters know how to load themselves.
+
+Each parameter carries a `weight_loader(param, loaded[, shard_id])`; the loader looks it up, so
+a fused projection (q/k/v, gate/up) fills its row ranges from the checkpoint's separate tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WeightLoader = Callable[..., None]
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> nn.Parameter:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+def new_parameter(*shape: int, loader: WeightLoader = default_weight_loader) -> nn.Parameter:
+    # Uninitialized on purpose: every value comes from the checkpoint.
+    return set_weight_loader(nn.Parameter(torch.empty(*shape), requires_grad=False), loader)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = new_parameter(out_features, in_features, loader=self.weight_loader)
+        self.bias = new_parameter(out_features, loader=self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        default_weight_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input, stacked along the output dimension.
+
+    `shards` names them in order with their output sizes, e.g. {"q": 512, "k": 128, "v": 128};
+    the checkpoint's `q_proj` tensor then loads with shard id "q" into rows [0, 512)."""
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(shards.values()), bias)
+        self.shard_sizes = list(shards.values())
+        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, size in shards.items():
+            self.shard_offsets[name] = (offset, size)
+            offset += size
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id not in self.shard_offsets:
+            raise ValueError(f"unknown shard {shard_id!r}; this layer has {list(self.shard_offsets)}")
+        offset, size = self.shard_offsets[shard_id]
+        default_weight_loader(param.data.narrow(0, offset, size), loaded)  # type: ignore[arg-type]
+
+    def split(self, y: torch.Tensor) -> list[torch.Tensor]:
+        return list(y.split(self.shard_sizes, dim=-1))

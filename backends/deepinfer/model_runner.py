@@ -1,0 +1,183 @@
+"""The model runner: owns the device, the weights and the paged KV cache, and turns a
+`SchedulerOutput` into logits. The only place where sequences become tensors."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from backends.deepinfer.config import EngineConfig
+from backends.deepinfer.forward_batch import ForwardBatch, PrefillSpan
+from backends.deepinfer.hf_config import HFConfig
+from backends.deepinfer.layers.attention import Attention
+from backends.deepinfer.layers.mla import MLAttention
+from backends.deepinfer.loader import load_weights
+from backends.deepinfer.models.base import CausalLM
+from backends.deepinfer.models.registry import model_class
+from backends.deepinfer.outputs import ScheduledChunk, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    """Loads `config.model` and runs forward steps over the paged KV cache.
+
+    Attributes for the rest of the engine: `device`, `dtype`, `hf_config`, `vocab_size`,
+    `max_model_len`, `block_size`, `num_kv_blocks` (what the block manager may hand out:
+    block ids are 0 .. num_kv_blocks - 1) and `kv_bytes_per_token` (for the model card).
+
+    Deterministic mode (`config.deterministic`) runs each chunk of a step as its own forward
+    pass. Matmul kernels pick their blocking (and so their summation order) by the number of
+    rows, and padded batched attention by the longest context, so a sequence's logits in a
+    batch would depend on its neighbours in the last bits; one chunk per pass makes them depend
+    only on the sequence itself (and on how its prefill was chunked). The cost is the batching:
+    a step's time grows roughly linearly with the number of sequences in it instead of staying
+    nearly flat, i.e. decode throughput drops by about the batch size.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        started = time.monotonic()
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_dir = Path(config.model)
+        self.hf_config = HFConfig.load(self.model_dir)
+        self.vocab_size: int = self.hf_config.vocab_size
+        self.max_model_len = self._max_model_len()
+        self.block_size = config.block_size
+        with torch.device(self.device):
+            model = model_class(self.hf_config)(self.hf_config, self.max_model_len)
+        self.model: CausalLM = model.to(self.dtype).eval()
+        load_weights(self.model, self.model_dir)
+        self._cache_layers = [m for m in self.model.modules() if isinstance(m, Attention | MLAttention)]
+        self.kv_bytes_per_token = sum(layer.cache_bytes_per_token(self.dtype) for layer in self._cache_layers)
+        self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory()
+        for layer in self._cache_layers:
+            layer.allocate_cache(self.num_kv_blocks, self.block_size, self.dtype, self.device)
+        logger.info(
+            "loaded %s (%s) on %s/%s in %.1f s; KV cache %d blocks x %d tokens (%.2f GiB)",
+            self.model_dir.name,
+            self.hf_config.architecture,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            time.monotonic() - started,
+            self.num_kv_blocks,
+            self.block_size,
+            self.num_kv_blocks * self.block_size * self.kv_bytes_per_token / 2**30,
+        )
+
+    def _max_model_len(self) -> int:
+        limit = int(self.hf_config.get("max_position_embeddings", 2048))
+        window = self.hf_config.get("sliding_window")
+        if window and self.hf_config.get("use_sliding_window", True):
+            # No sliding-window attention here: stay within the window, where it is exact.
+            limit = min(limit, int(window))
+        if self.config.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's limit {limit}")
+        return self.config.max_model_len or limit
+
+    def _blocks_from_memory(self) -> int:
+        by_memory = int(self.config.kv_cache_memory_gb * 2**30) // (self.kv_bytes_per_token * self.block_size)
+        # More blocks than every running sequence at full length could use is wasted memory.
+        useful = self.config.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
+        blocks = min(by_memory, useful)
+        if blocks < 1:
+            raise ValueError(f"kv_cache_memory_gb={self.config.kv_cache_memory_gb} holds no KV block")
+        return blocks
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run one step; return float32 logits `[S, vocab]` for the chunks with `sample=True`,
+        in chunk order (S may be 0). Every chunk's tokens are written to the KV cache."""
+        if self.config.deterministic:
+            parts = [self._forward([chunk]) for chunk in out.chunks]
+            return torch.cat(parts) if parts else self._forward([])
+        return self._forward(out.chunks)
+
+    def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        if not chunks:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        batch = self.prepare(chunks)
+        hidden = self.model(batch)
+        return self.model.compute_logits(hidden[batch.sample_index]).float()
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
+        """Flatten the chunks' tokens and build their cache slots and attention spans."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_parts: list[torch.Tensor] = []
+        prefills: list[PrefillSpan] = []
+        decode_index: list[int] = []
+        decode_slots: list[torch.Tensor] = []
+        sample_index: list[int] = []
+        for chunk in chunks:
+            seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
+            if chunk.num_tokens <= 0 or end > len(seq.token_ids) or end > self.max_model_len:
+                raise ValueError(
+                    f"request {seq.request_id}: bad chunk [{start}, {end}) for {len(seq.token_ids)} tokens"
+                    f" (max_model_len {self.max_model_len})"
+                )
+            context = self._context_slots(seq.block_table, end, seq.request_id)
+            begin = len(ids)
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slot_parts.append(context[start:end])
+            if chunk.num_tokens == 1:
+                decode_index.append(begin)
+                decode_slots.append(context)
+            else:
+                prefills.append(
+                    PrefillSpan(begin, len(ids), start, self._on_device(context) if start else None)
+                )
+            if chunk.sample:
+                sample_index.append(len(ids) - 1)
+        batch = ForwardBatch(
+            input_ids=self._on_device(torch.tensor(ids)),
+            positions=self._on_device(torch.tensor(positions)),
+            slot_mapping=self._on_device(torch.cat(slot_parts)),
+            prefills=prefills,
+            decode_index=None,
+            decode_slots=None,
+            decode_mask=None,
+            sample_index=self._on_device(torch.tensor(sample_index, dtype=torch.long)),
+        )
+        if decode_index:
+            lengths = torch.tensor([len(s) for s in decode_slots])
+            padded = torch.nn.utils.rnn.pad_sequence(decode_slots, batch_first=True)  # pads with slot 0
+            mask = torch.arange(padded.shape[1])[None, :] < lengths[:, None]
+            batch.decode_index = self._on_device(torch.tensor(decode_index))
+            batch.decode_slots = self._on_device(padded)
+            batch.decode_mask = self._on_device(mask[:, None, None, :])
+        return batch
+
+    def _context_slots(self, block_table: list[int], length: int, request_id: str) -> torch.Tensor:
+        """Cache slots of positions 0 .. length - 1 of a sequence."""
+        needed = -(-length // self.block_size)
+        if len(block_table) < needed:
+            raise ValueError(f"request {request_id}: {len(block_table)} blocks for {length} tokens")
+        blocks = torch.tensor(block_table[:needed], dtype=torch.long)
+        offsets = torch.arange(self.block_size, dtype=torch.long)
+        return (blocks[:, None] * self.block_size + offsets[None, :]).view(-1)[:length]
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, non_blocking=True)

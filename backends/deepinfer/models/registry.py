@@ -1,0 +1,30 @@
+"""Architecture name (config.json `architectures[0]`) -> model class."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from backends.deepinfer.hf_config import HFConfig
+from backends.deepinfer.models.base import CausalLM
+from backends.deepinfer.models.deepseek_v3 import DeepseekV3ForCausalLM
+from backends.deepinfer.models.llama import LlamaForCausalLM
+from backends.deepinfer.models.qwen2 import Qwen2ForCausalLM
+
+
+class ModelClass(Protocol):
+    def __call__(self, config: HFConfig, max_positions: int) -> CausalLM: ...
+
+
+MODELS: dict[str, ModelClass] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+}
+
+
+def model_class(config: HFConfig) -> ModelClass:
+    arch = config.architecture
+    if arch not in MODELS:
+        raise ValueError(f"unsupported architecture {arch!r}; DeepInfer supports {sorted(MODELS)}")
+    return MODELS[arch]

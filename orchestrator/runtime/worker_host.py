@@ -1,0 +1,241 @@
+"""Serves one `Engine` as a worker: request plane, discovery, KV events, load, drain.
+
+Endpoints on the request plane: `generate` (msgpack WorkerRequest -> msgpack TokenDelta
+stream; an EngineError becomes a typed error frame) and `kv_snapshot` (-> one KvSnapshot).
+
+Every ~15 ms the host takes the engine's KV event batches and publishes them on
+`subject(ns, model, "kv")`, and publishes a LoadReport on `.load` when it changed or a second
+has passed. Batches lost in transit show up as an `event_id` gap; routers then ask for the
+snapshot.
+
+Draining (`drain()`, the control key `drain/<instance_id>`, or SIGTERM via `serve_workers`):
+the instance is re-registered with `draining=True`, new `generate` calls get
+`WorkerError(code="overloaded", retryable=True)`, in-flight requests finish, then the leased
+key `drained/<instance_id>` is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+import msgspec
+
+from orchestrator.runtime import worker_metrics as metrics
+from orchestrator.runtime.discovery import Discovery, DiscoveryUnavailable, drain_key, drained_key
+from orchestrator.runtime.engine import Engine, EngineError
+from orchestrator.runtime.events import EventPlane
+from orchestrator.runtime.protocol import Instance, LoadReport, WorkerRequest, subject
+from orchestrator.runtime.request_plane import GENERATE, KV_SNAPSHOT, RemoteError, RequestPlaneServer
+
+log = logging.getLogger(__name__)
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_request = msgspec.msgpack.Decoder(WorkerRequest).decode
+LOAD_HEARTBEAT_S = 1.0
+
+
+def default_instance_id() -> str:
+    return f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+
+
+class WorkerHost:
+    def __init__(
+        self,
+        engine: Engine,
+        discovery: Discovery,
+        events: EventPlane,
+        namespace: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        instance_id: str | None = None,
+        advertise_host: str | None = None,
+        publish_interval: float = 0.015,
+    ) -> None:
+        self.engine = engine
+        self.discovery = discovery
+        self.events = events
+        self.namespace = namespace
+        self.host = host
+        self.port = port
+        self.instance_id = instance_id or default_instance_id()
+        # The address others dial: a wildcard bind address is no use to them.
+        wildcard = host in ("", "0.0.0.0", "::")
+        self.advertise_host = advertise_host or (
+            socket.gethostbyname(socket.gethostname()) if wildcard else host
+        )
+        self.publish_interval = publish_interval
+        self.instance: Instance | None = None
+        self.in_flight = 0
+        self.draining = False
+        self._server = RequestPlaneServer({GENERATE: self._generate, KV_SNAPSHOT: self._kv_snapshot})
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._drained: asyncio.Future[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._last_warning = 0.0
+
+    @property
+    def address(self) -> str:
+        return self.instance.address if self.instance is not None else ""
+
+    @property
+    def ready(self) -> bool:
+        return self.instance is not None and not self.draining
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        await self.engine.start()
+        port = await self._server.start(self.host, self.port)
+        host = f"[{self.advertise_host}]" if ":" in self.advertise_host else self.advertise_host
+        self.instance = Instance(
+            instance_id=self.instance_id, component="worker", address=f"{host}:{port}", card=self.engine.card
+        )
+        await self.discovery.register(self.instance)
+        self._tasks = [
+            asyncio.create_task(self._publish_loop(), name=f"publish-{self.instance_id}"),
+            asyncio.create_task(self._watch_drain_key(), name=f"drain-watch-{self.instance_id}"),
+        ]
+        log.info("worker %s serving %s at %s", self.instance_id, self.engine.card.name, self.address)
+
+    async def drain(self) -> None:
+        """Stop taking requests, let in-flight ones finish, then report drained. Idempotent."""
+        if self._drained is None:
+            self._drained = asyncio.ensure_future(self._drain())
+        await asyncio.shield(self._drained)
+
+    async def stop(self) -> None:
+        """Leave discovery and stop at once; unfinished requests end with finish_reason 'abort'."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with contextlib.suppress(DiscoveryUnavailable):
+            await self.discovery.deregister(self.instance_id)
+        await self._server.stop()
+        await self.engine.stop()
+        metrics.forget(self.instance_id)
+
+    async def _drain(self) -> None:
+        self.draining = True
+        metrics.DRAINING.labels(self.instance_id).set(1)
+        log.info("worker %s draining: %d requests in flight", self.instance_id, self.in_flight)
+        if self.instance is not None:
+            self.instance = msgspec.structs.replace(self.instance, draining=True)
+            with contextlib.suppress(DiscoveryUnavailable):  # written when etcd is back
+                await self.discovery.register(self.instance)
+        await self._idle.wait()
+        with contextlib.suppress(DiscoveryUnavailable):
+            await self.discovery.put(drained_key(self.instance_id), b"", leased=True)
+        log.info("worker %s drained", self.instance_id)
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def _generate(self, payload: bytes) -> AsyncIterator[bytes]:
+        if self.draining:
+            metrics.REQUESTS.labels(self.instance_id, "rejected").inc()
+            raise RemoteError("overloaded", f"worker {self.instance_id} is draining", retryable=True)
+        try:
+            request = _decode_request(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            metrics.REQUESTS.labels(self.instance_id, "invalid").inc()
+            raise RemoteError("invalid_request", f"bad WorkerRequest: {exc}") from exc
+        self.in_flight += 1
+        self._idle.clear()
+        outcome = "cancelled"
+        stream = self.engine.generate(request)
+        try:
+            async for delta in stream:
+                yield _encode(delta)
+            outcome = "ok"
+        except EngineError as exc:
+            outcome = "error"
+            raise RemoteError(exc.code, exc.message, exc.retryable) from exc  # type: ignore[arg-type]
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
+            metrics.REQUESTS.labels(self.instance_id, outcome).inc()
+
+    async def _kv_snapshot(self, payload: bytes) -> AsyncIterator[bytes]:
+        snapshot = self.engine.kv_snapshot()
+        snapshot.worker_id = self.instance_id
+        yield _encode(snapshot)
+
+    # ------------------------------------------------------------------ background
+
+    async def _publish_loop(self) -> None:
+        card = self.engine.card
+        kv_subject = subject(self.namespace, card.name, "kv")
+        load_subject = subject(self.namespace, card.name, "load")
+        last: LoadReport | None = None
+        last_sent = 0.0
+        while True:
+            await asyncio.sleep(self.publish_interval)
+            try:
+                for batch in self.engine.take_kv_events():
+                    batch.worker_id = self.instance_id
+                    await self.events.publish(kv_subject, _encode(batch))
+                load = self.engine.load()
+                load.worker_id = self.instance_id
+                load.draining = self.draining
+                metrics.observe_load(load, self.in_flight)
+                now = time.monotonic()
+                if load != last or now - last_sent >= LOAD_HEARTBEAT_S:
+                    await self.events.publish(load_subject, _encode(load))
+                    last, last_sent = msgspec.structs.replace(load), now
+            except Exception as exc:  # the event plane is best effort: never stop serving for it
+                now = time.monotonic()
+                if now - self._last_warning > 5.0:
+                    self._last_warning = now
+                    log.warning("worker %s: publishing events failed: %r", self.instance_id, exc)
+
+    async def _watch_drain_key(self) -> None:
+        key = drain_key(self.instance_id)
+        async for event in self.discovery.watch_prefix(key):
+            if event.key == key and event.kind == "put":
+                await self.drain()
+                return
+
+
+async def serve_workers(
+    hosts: Sequence[WorkerHost],
+    metrics_port: int | None = None,
+    metrics_host: str = "0.0.0.0",
+    drain_timeout: float = 60.0,
+) -> None:
+    """Run worker hosts until SIGTERM or SIGINT, then drain them (up to `drain_timeout`) and
+    stop. With `metrics_port`, also serve /health, /live and /metrics for the process."""
+    from orchestrator.runtime.health import HealthServer
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    health = HealthServer(lambda: all(h.ready for h in hosts))
+    try:
+        if metrics_port is not None:
+            await health.start(metrics_host, metrics_port)
+        for host in hosts:
+            await host.start()
+        await stop.wait()
+        log.info("stopping: draining %d workers (up to %.0f s)", len(hosts), drain_timeout)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(h.drain() for h in hosts)), drain_timeout)
+        except TimeoutError:
+            log.warning("drain timed out after %.0f s; aborting what is left", drain_timeout)
+    finally:
+        for host in hosts:
+            await host.stop()
+        await health.stop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)

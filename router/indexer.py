@@ -47,6 +47,11 @@ class KvIndexer:
         """Workers whose state is unknown or has a gap: fetch their snapshots."""
         return [w for w, s in self._sync.items() if _has_gap(s)]
 
+    def was_synced(self, worker_id: str) -> bool:
+        """Whether the worker's state was ever known (a resync now repairs a gap, not a join)."""
+        state = self._sync.get(worker_id)
+        return state is not None and state.last_event_id is not None
+
     def is_synced(self, worker_id: str) -> bool:
         state = self._sync.get(worker_id)
         return state is not None and not _has_gap(state)

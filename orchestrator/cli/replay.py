@@ -18,6 +18,7 @@ import time
 from router.replay import RequestRecord, TraceRequest, TraceTokens, read_trace, report, summarize
 from router.router import MODES
 
+
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "trace", help="Mooncake-format JSONL: timestamp (ms), input_length, output_length, hash_ids"
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.trace_block_size % args.block_size:
         size, trace_size = args.block_size, args.trace_block_size
-        print(f"weir replay: --block-size {size} must divide --trace-block-size {trace_size}", file=sys.stderr)
+        sys.stderr.write(f"weir replay: --block-size {size} must divide --trace-block-size {trace_size}\n")
         return 2
     try:
         trace, errors = read_trace(args.trace, args.trace_block_size)

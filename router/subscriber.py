@@ -1,0 +1,174 @@
+"""Feeds a `Router` from the event plane and keeps its KV index whole.
+
+Consumes a model's `.kv` (KV event batches), `.load` (load reports) and `.inflight` (replica
+routers' sends and finishes) subjects, and publishes this router's own in-flight changes on
+`.inflight`. Whenever the router reports a worker it cannot trust (never synced, a gap in
+its event ids), the worker's snapshot is fetched through `fetch_snapshot` and applied; a
+failed fetch is retried with backoff while the worker stays registered.
+
+`start()` returns once every worker the router knows at that moment is synced (or
+`sync_timeout_s` passed): a restarted router rebuilds its index before it routes by KV,
+instead of sending a burst of requests to workers that look cold. `wait_synced()` does the
+same later, e.g. after the frontend's first discovery listing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import msgspec
+
+from orchestrator.runtime.events import EventPlane
+from orchestrator.runtime.events.base import Subscription
+from orchestrator.runtime.protocol import KvEventBatch, KvSnapshot, LoadReport, subject
+from router import metrics
+from router.indexer import KvIndexer
+from router.protocols import InflightUpdate
+from router.router import Router
+
+log = logging.getLogger(__name__)
+
+FetchSnapshot = Callable[[str], Awaitable[KvSnapshot]]
+
+
+class RouterSubscriber:
+    def __init__(
+        self,
+        router: Router,
+        event_plane: EventPlane,
+        namespace: str,
+        model: str,
+        fetch_snapshot: FetchSnapshot,
+        *,
+        sync_timeout_s: float = 10.0,
+        retry_s: float = 0.5,
+        max_retry_s: float = 10.0,
+    ) -> None:
+        self.router = router
+        self.plane = event_plane
+        self.fetch_snapshot = fetch_snapshot
+        self.sync_timeout_s = sync_timeout_s
+        self.retry_s = retry_s
+        self.max_retry_s = max_retry_s
+        self._subjects = {kind: subject(namespace, model, kind) for kind in ("kv", "load", "inflight")}
+        self._subscriptions: list[Subscription] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._fetching: dict[str, asyncio.Task[None]] = {}
+        self._retry_at: dict[str, tuple[float, float]] = {}  # worker -> (next try, backoff)
+        self._wake = asyncio.Event()
+        self._outbox: asyncio.Queue[InflightUpdate] = asyncio.Queue()
+
+    async def start(self) -> None:
+        handlers: dict[str, Callable[[bytes], None]] = {"load": self._on_load, "inflight": self._on_inflight}
+        if isinstance(self.router.index, KvIndexer):
+            handlers["kv"] = self._on_kv
+            self._tasks.append(asyncio.create_task(self._resync_loop(), name="router-resync"))
+        for kind, handle in handlers.items():
+            sub = await self.plane.subscribe(self._subjects[kind])
+            self._subscriptions.append(sub)
+            self._tasks.append(asyncio.create_task(self._consume(sub, handle), name=f"router-{kind}"))
+        self._tasks.append(asyncio.create_task(self._publish_inflight(), name="router-inflight-out"))
+        self.router.on_inflight = self._outbox.put_nowait
+        await self.wait_synced(self.sync_timeout_s)
+
+    async def stop(self) -> None:
+        self.router.on_inflight = None
+        for sub in self._subscriptions:
+            await sub.close()
+        tasks = [*self._tasks, *self._fetching.values()]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._subscriptions.clear()
+        self._tasks.clear()
+        self._fetching.clear()
+
+    async def wait_synced(self, timeout_s: float) -> bool:
+        """Until every registered worker's index part is trusted; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        self._wake.set()
+        while self.router.needs_resync():
+            if time.monotonic() >= deadline:
+                log.warning("KV index not synced for %s after %.1f s", self.router.needs_resync(), timeout_s)
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    # ------------------------------------------------------------------ inbound
+
+    async def _consume(self, sub: Subscription, handle: Callable[[bytes], None]) -> None:
+        async for data in sub:
+            try:
+                handle(data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("dropping a malformed message on %s: %s", getattr(sub, "subject", "?"), exc)
+
+    def _on_kv(self, data: bytes) -> None:
+        if self.router.apply_kv_batch(_decode_kv(data)):
+            self._wake.set()
+
+    def _on_load(self, data: bytes) -> None:
+        if self.router.apply_load(_decode_load(data)):
+            self._wake.set()
+
+    def _on_inflight(self, data: bytes) -> None:
+        self.router.apply_inflight(_decode_inflight(data))
+
+    # ------------------------------------------------------------------ resync
+
+    async def _resync_loop(self) -> None:
+        while True:
+            now = time.monotonic()
+            for worker_id in self.router.needs_resync():
+                next_try, _ = self._retry_at.get(worker_id, (0.0, 0.0))
+                if worker_id not in self._fetching and next_try <= now:
+                    self._fetching[worker_id] = asyncio.create_task(self._resync(worker_id))
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=self.retry_s)
+
+    async def _resync(self, worker_id: str) -> None:
+        index = self.router.index
+        reason = "gap" if isinstance(index, KvIndexer) and index.was_synced(worker_id) else "join"
+        try:
+            snapshot = await self.fetch_snapshot(worker_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # any failure of a remote call: retry later, keep routing
+            _, backoff = self._retry_at.get(worker_id, (0.0, self.retry_s / 2))
+            backoff = min(backoff * 2, self.max_retry_s)
+            self._retry_at[worker_id] = (time.monotonic() + backoff, backoff)
+            log.warning("KV snapshot of %s failed (retry in %.1f s): %s", worker_id, backoff, exc)
+            return
+        finally:
+            self._fetching.pop(worker_id, None)
+        self._retry_at.pop(worker_id, None)
+        if snapshot.worker_id != worker_id:  # engines leave the id to their host
+            snapshot = msgspec.structs.replace(snapshot, worker_id=worker_id)
+        metrics.RESYNCS.labels(reason).inc()
+        if self.router.apply_kv_snapshot(snapshot):
+            self._wake.set()  # batches after the snapshot still have a gap: fetch again
+        log.info("resynced %s from its snapshot at event %d (%s)", worker_id, snapshot.event_id, reason)
+
+    # ------------------------------------------------------------------ outbound
+
+    async def _publish_inflight(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        topic = self._subjects["inflight"]
+        while True:
+            update = await self._outbox.get()
+            try:
+                await self.plane.publish(topic, encoder.encode(update))
+            except Exception as exc:  # the event plane degrades, routing goes on
+                log.warning("cannot publish in-flight load: %s", exc)
+
+
+_decode_kv = msgspec.msgpack.Decoder(KvEventBatch).decode
+_decode_load = msgspec.msgpack.Decoder(LoadReport).decode
+_decode_inflight = msgspec.msgpack.Decoder(InflightUpdate).decode

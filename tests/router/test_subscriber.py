@@ -1,0 +1,154 @@
+"""RouterSubscriber over real event planes: sync before routing, gap resync, replicas."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from orchestrator.runtime.events import EventPlane, MemoryEventPlane, make_event_plane
+from orchestrator.runtime.hashing import block_hashes
+from orchestrator.runtime.protocol import BlockStored, KvEventBatch, KvSnapshot, LoadReport, subject
+from router.protocols import RouteRequest
+from router.router import Router, make_router
+from router.subscriber import RouterSubscriber
+
+BS = 4
+encode = msgspec.msgpack.encode
+
+
+class Worker:
+    """The publishing side: numbered batches, and a snapshot of everything stored so far."""
+
+    def __init__(self, worker_id: str, plane: EventPlane) -> None:
+        self.worker_id = worker_id
+        self.plane = plane
+        self.event_id = 0
+        self.blocks: list[int] = []
+        self.snapshots = 0
+        self.fail_next = 0
+
+    async def store(self, hashes: list[int], publish: bool = True) -> None:
+        self.event_id += 1
+        self.blocks += hashes
+        events = [BlockStored(blocks=hashes)]
+        batch = KvEventBatch(worker_id=self.worker_id, event_id=self.event_id, events=events)
+        if publish:  # False: the batch is lost on the way
+            await self.plane.publish(subject("ns", "m", "kv"), encode(batch))
+
+    async def snapshot(self) -> KvSnapshot:
+        if self.fail_next:
+            self.fail_next -= 1
+            raise ConnectionError("worker unreachable")
+        self.snapshots += 1
+        return KvSnapshot(worker_id="", event_id=self.event_id, blocks={"device": list(self.blocks)})
+
+
+async def eventually(check, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+def kv_router(*workers: Worker) -> Router:
+    router = make_router("kv", BS, seed=0)
+    for w in workers:
+        router.add_worker(w.worker_id)
+    return router
+
+
+def fetcher(*workers: Worker):  # type: ignore[no-untyped-def]
+    by_id = {w.worker_id: w for w in workers}
+    return lambda worker_id: by_id[worker_id].snapshot()
+
+
+async def test_restarted_router_syncs_from_snapshots_before_routing() -> None:
+    plane = MemoryEventPlane()
+    a, b = Worker("a", plane), Worker("b", plane)
+    prompt = list(range(64))
+    await b.store(block_hashes(prompt, BS), publish=False)  # cached before this router started
+    router = kv_router(a, b)
+    sub = RouterSubscriber(router, plane, "ns", "m", fetcher(a, b))
+    await sub.start()
+    try:
+        assert router.needs_resync() == []
+        # every request for that prefix goes to b from the first one on
+        for i in range(3):
+            decision = router.select(RouteRequest(f"r{i}", len(prompt), block_hashes(prompt, BS)))
+            assert decision.worker_id == "b" and decision.overlap_blocks == 16
+            router.on_finish("b", f"r{i}")
+    finally:
+        await sub.stop()
+
+
+async def test_gap_triggers_a_resync_and_failed_fetches_are_retried() -> None:
+    plane = MemoryEventPlane()
+    a = Worker("a", plane)
+    router = kv_router(a)
+    sub = RouterSubscriber(router, plane, "ns", "m", fetcher(a), retry_s=0.02)
+    await sub.start()
+    try:
+        assert a.snapshots == 1
+        await a.store([1, 2])
+        await a.store([3], publish=False)  # lost
+        a.fail_next = 2
+        await a.store([4])  # reveals the gap
+        await eventually(lambda: a.snapshots == 2 and router.needs_resync() == [])
+        assert router.index is not None
+        assert router.index.find_matches([1, 2, 3, 4]).blocks == {"a": 4}
+        # a malformed message is dropped, the subscriber keeps going
+        await plane.publish(subject("ns", "m", "kv"), b"\xc1 not msgpack")
+        await a.store([5])
+        index = router.index
+        await eventually(lambda: index.find_matches([1, 2, 3, 4, 5]).blocks == {"a": 5})
+    finally:
+        await sub.stop()
+
+
+async def test_load_reports_feed_the_router() -> None:
+    plane = MemoryEventPlane()
+    a = Worker("a", plane)
+    router = kv_router(a)
+    sub = RouterSubscriber(router, plane, "ns", "m", fetcher(a))
+    await sub.start()
+    try:
+        report = LoadReport(worker_id="a", active_requests=3, active_blocks=40, total_blocks=100)
+        await plane.publish(subject("ns", "m", "load"), encode(report))
+        await eventually(lambda: router.workers["a"].active_blocks == 40)
+        # a report naming a batch the router never saw makes it resync
+        await plane.publish(subject("ns", "m", "load"), encode(LoadReport(worker_id="a", kv_event_id=3)))
+        await a.store([1])
+        await a.store([2], publish=False)
+        await a.store([3], publish=False)
+        index = router.index
+        assert index is not None
+        await eventually(lambda: not router.needs_resync() and len(index.find_matches([1, 2, 3]).blocks) == 1)
+        assert index.find_matches([1, 2, 3]).blocks == {"a": 3}
+        assert a.snapshots >= 2
+    finally:
+        await sub.stop()
+
+
+@pytest.mark.parametrize("plane_kind", ["memory", "nats"])
+async def test_replicas_share_inflight_load(plane_kind: str, request: pytest.FixtureRequest) -> None:
+    url = request.getfixturevalue("nats_url") if plane_kind == "nats" else None
+    plane = make_event_plane(url)
+    a = Worker("a", plane)
+    one, two = kv_router(a), kv_router(a)
+    subs = [RouterSubscriber(r, plane, "ns", "m", fetcher(a)) for r in (one, two)]
+    for s in subs:
+        await s.start()
+    try:
+        await asyncio.sleep(0.05 if plane_kind == "nats" else 0)  # NATS subscriptions settle
+        one.select(RouteRequest("x", 40, block_hashes(list(range(40)), BS)))
+        await eventually(lambda: two.workers["a"].inflight_blocks == 10)
+        assert two.workers["a"].inflight_requests == 1
+        one.on_finish("a", "x")
+        await eventually(lambda: two.workers["a"].inflight_requests == 0)
+        assert one.workers["a"].inflight_blocks == 0 == two.workers["a"].inflight_blocks
+    finally:
+        for s in subs:
+            await s.stop()
+        await plane.close()

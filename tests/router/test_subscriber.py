@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import pytest
 
 from orchestrator.runtime.events import EventPlane, MemoryEventPlane, make_event_plane
 from orchestrator.runtime.hashing import block_hashes
-from orchestrator.runtime.protocol import BlockStored, KvEventBatch, KvSnapshot, LoadReport, subject
+from orchestrator.runtime.protocol import BlockStored, KvEvent, KvEventBatch, KvSnapshot, LoadReport, subject
 from router.protocols import RouteRequest
 from router.router import Router, make_router
 from router.subscriber import RouterSubscriber
@@ -32,7 +33,7 @@ class Worker:
     async def store(self, hashes: list[int], publish: bool = True) -> None:
         self.event_id += 1
         self.blocks += hashes
-        events = [BlockStored(blocks=hashes)]
+        events: list[KvEvent] = [BlockStored(blocks=hashes)]
         batch = KvEventBatch(worker_id=self.worker_id, event_id=self.event_id, events=events)
         if publish:  # False: the batch is lost on the way
             await self.plane.publish(subject("ns", "m", "kv"), encode(batch))
@@ -45,7 +46,7 @@ class Worker:
         return KvSnapshot(worker_id="", event_id=self.event_id, blocks={"device": list(self.blocks)})
 
 
-async def eventually(check, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not check():
         assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
@@ -59,7 +60,7 @@ def kv_router(*workers: Worker) -> Router:
     return router
 
 
-def fetcher(*workers: Worker):  # type: ignore[no-untyped-def]
+def fetcher(*workers: Worker) -> Callable[[str], Awaitable[KvSnapshot]]:
     by_id = {w.worker_id: w for w in workers}
     return lambda worker_id: by_id[worker_id].snapshot()
 

@@ -1,0 +1,167 @@
+"""`weir frontend`: the OpenAI-compatible HTTP frontend in cluster mode.
+
+It finds workers in etcd (each bound to a lease, so a dead worker disappears within its TTL),
+reads their KV events and load reports from NATS, and calls them over the TCP request plane.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import uvicorn
+
+from orchestrator.cli.options import (
+    add_cluster_planes,
+    add_log_level,
+    env_default,
+    run_until_stopped,
+    setup_logging,
+)
+from orchestrator.frontend.config import ROUTER_MODES, FrontendConfig
+from orchestrator.runtime.discovery import Discovery
+from orchestrator.runtime.events import EventPlane
+from orchestrator.runtime.request_plane import LocalWorkerClient
+
+_DEFAULTS = FrontendConfig()
+
+
+def add_frontend_arguments(parser: argparse.ArgumentParser, default_port: int = 8000) -> None:
+    """HTTP and routing flags, shared with `weir serve`."""
+    http = parser.add_argument_group("HTTP")
+    http.add_argument(
+        "--host",
+        default=env_default("WEIR_HOST", "127.0.0.1"),
+        help="address to listen on; 0.0.0.0 for all interfaces (env WEIR_HOST; default 127.0.0.1)",
+    )
+    http.add_argument(
+        "--port",
+        type=int,
+        default=env_default("WEIR_PORT", default_port, int),
+        help=f"HTTP port (env WEIR_PORT; default {default_port})",
+    )
+    http.add_argument(
+        "--request-timeout",
+        type=float,
+        default=_DEFAULTS.request_timeout_s,
+        metavar="SECONDS",
+        help=f"wall-clock limit per request (default {_DEFAULTS.request_timeout_s:g})",
+    )
+    http.add_argument(
+        "--max-retries",
+        type=int,
+        default=_DEFAULTS.max_retries,
+        help=f"retries on another worker after a retryable failure before the first token "
+        f"(default {_DEFAULTS.max_retries})",
+    )
+    routing = parser.add_argument_group("routing")
+    routing.add_argument(
+        "--router-mode",
+        choices=ROUTER_MODES,
+        default=env_default("WEIR_ROUTER_MODE", _DEFAULTS.router_mode),
+        help=f"how a worker is chosen (env WEIR_ROUTER_MODE; default {_DEFAULTS.router_mode})",
+    )
+    routing.add_argument(
+        "--kv-overlap-weight",
+        type=float,
+        help="kv mode: weight of prompt blocks a worker must compute against its active blocks (default 1.0)",
+    )
+    routing.add_argument(
+        "--router-temperature",
+        type=float,
+        help="kv mode: 0 picks the cheapest worker; higher values sample among cheap ones (default 0)",
+    )
+    routing.add_argument(
+        "--no-kv-events",
+        action="store_true",
+        help="kv mode: predict worker caches from routing decisions instead of KV events",
+    )
+    routing.add_argument("--router-seed", type=int, help="seed for random choices, for reproducible runs")
+
+
+def router_params(args: argparse.Namespace) -> dict[str, Any]:
+    """Only what the user set, so the router's own defaults stay the single source."""
+    params: dict[str, Any] = {
+        "overlap_weight": args.kv_overlap_weight,
+        "temperature": args.router_temperature,
+        "seed": args.router_seed,
+    }
+    if args.no_kv_events:
+        params["kv_events"] = False
+    return {key: value for key, value in params.items() if value is not None}
+
+
+def frontend_config(args: argparse.Namespace, namespace: str) -> FrontendConfig:
+    try:
+        return FrontendConfig(
+            host=args.host,
+            port=args.port,
+            namespace=namespace,
+            router_mode=args.router_mode,
+            router_params=router_params(args),
+            request_timeout_s=args.request_timeout,
+            max_retries=args.max_retries,
+            log_level=args.log_level,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"weir: {exc}") from exc
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    add_frontend_arguments(parser)
+    add_cluster_planes(parser)
+    add_log_level(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    config = frontend_config(args, args.namespace)
+    return run_until_stopped(lambda stop: _serve(config, args, stop))
+
+
+async def _serve(config: FrontendConfig, args: argparse.Namespace, stop: asyncio.Event) -> None:
+    from orchestrator.runtime.discovery import make_discovery
+    from orchestrator.runtime.events import make_event_plane
+
+    discovery = make_discovery(args.etcd, args.namespace)
+    events = make_event_plane(args.nats)
+    try:
+        await serve_http(
+            config,
+            discovery,
+            events,
+            stop,
+            banner=lambda url: f"weir frontend on {url} (etcd {args.etcd}, nats {args.nats})",
+        )
+    finally:
+        await asyncio.gather(discovery.close(), events.close(), return_exceptions=True)
+
+
+async def serve_http(
+    config: FrontendConfig,
+    discovery: Discovery,
+    events: EventPlane,
+    stop: asyncio.Event,
+    local_workers: Mapping[str, LocalWorkerClient] | None = None,
+    banner: Callable[[str], str] = lambda url: f"weir frontend on {url}",
+) -> None:
+    """Serve HTTP until SIGINT/SIGTERM or `stop` (uvicorn drains open requests first), printing
+    one line once the socket is bound: with --port 0 the line is how a caller learns the port."""
+    from orchestrator.frontend.server import create_app, uvicorn_config
+
+    server = uvicorn.Server(uvicorn_config(create_app(config, discovery, events, local_workers), config))
+    serving = asyncio.create_task(server.serve())
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.02)
+    if server.started:
+        port = server.servers[0].sockets[0].getsockname()[1]
+        print(banner(f"http://{config.host}:{port}"), flush=True)
+    # A signal that arrived before uvicorn installed its handlers only set `stop`.
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    server.should_exit = True
+    stopping.cancel()
+    await serving

@@ -1,0 +1,94 @@
+"""Flags shared by the serving commands (`serve`, `frontend`, `worker`).
+
+Every flag that a deployment sets per environment also reads an environment variable, named
+in its help text, so a container image can be configured without a command line: the flag
+wins, then the variable, then the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from types import FrameType
+from typing import Any
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def env_default(name: str, default: Any = None, convert: Callable[[str], Any] = str) -> Any:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return convert(value)
+    except ValueError as exc:
+        raise SystemExit(f"weir: environment variable {name}={value!r} is invalid: {exc}") from exc
+
+
+def add_log_level(parser: argparse.ArgumentParser, default: str = "warning") -> None:
+    parser.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default=env_default("WEIR_LOG_LEVEL", default),
+        help=f"log verbosity (env WEIR_LOG_LEVEL; default {default})",
+    )
+
+
+def add_cluster_planes(parser: argparse.ArgumentParser) -> None:
+    """--namespace, --etcd, --nats: where cluster-mode processes find each other."""
+    group = parser.add_argument_group("cluster planes")
+    group.add_argument(
+        "--namespace",
+        default=env_default("WEIR_NAMESPACE", "default"),
+        help="weir namespace: prefix of discovery keys and event subjects "
+        "(env WEIR_NAMESPACE; default 'default')",
+    )
+    group.add_argument(
+        "--etcd",
+        default=env_default("WEIR_ETCD", "http://127.0.0.1:2379"),
+        help="etcd URL for discovery (env WEIR_ETCD; default http://127.0.0.1:2379)",
+    )
+    group.add_argument(
+        "--nats",
+        default=env_default("WEIR_NATS", "nats://127.0.0.1:4222"),
+        help="NATS URL for KV events and load reports (env WEIR_NATS; default nats://127.0.0.1:4222)",
+    )
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # Third-party chatter (uvicorn access lines, grpc, nats reconnects) stays below warnings
+    # unless debugging.
+    if level != "debug":
+        for name in ("uvicorn.access", "aetcd", "nats"):
+            logging.getLogger(name).setLevel(max(logging.WARNING, getattr(logging, level.upper())))
+
+
+def run_until_stopped(main: Callable[[asyncio.Event], Awaitable[None]]) -> int:
+    """Run `main(stop)` on uvloop; SIGINT and SIGTERM set `stop` instead of killing the process.
+
+    The handlers are installed with `signal.signal`, not the loop's: uvicorn swaps in its own
+    handlers while it serves and re-raises the signals it caught when it returns, which then
+    land here and let the command shut its workers down cleanly instead of dying mid-cleanup."""
+    import uvloop
+
+    async def runner() -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            loop.call_soon_threadsafe(stop.set)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+        await main(stop)
+
+    uvloop.run(runner())
+    return 0

@@ -1,0 +1,118 @@
+"""`weir worker`: one engine worker in cluster mode.
+
+The worker serves its engine on the TCP request plane, registers its model card in etcd under
+a lease (so it vanishes from every frontend within --lease-ttl seconds if it dies), and
+publishes KV events and load reports on NATS. SIGTERM or SIGINT drains it: it stops taking
+requests, finishes the ones in flight (up to --drain-timeout), then leaves discovery.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from backends.registry import add_backend_arguments, make_engine, resolve_model, served_name
+from orchestrator.cli.options import add_cluster_planes, add_log_level, env_default, setup_logging
+from orchestrator.runtime.discovery import DEFAULT_TTL, make_discovery
+from orchestrator.runtime.engine import Engine
+from orchestrator.runtime.events import make_event_plane
+from orchestrator.runtime.worker_host import WorkerHost, serve_workers
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--role",
+        choices=["aggregated", "prefill", "decode"],
+        default=env_default("WEIR_ROLE", "aggregated"),
+        help="pool this worker joins (env WEIR_ROLE; default aggregated)",
+    )
+    add_backend_arguments(parser)
+    plane = parser.add_argument_group("request plane")
+    plane.add_argument(
+        "--host",
+        default=env_default("WEIR_WORKER_HOST", "127.0.0.1"),
+        help="address the request plane listens on (env WEIR_WORKER_HOST; default 127.0.0.1)",
+    )
+    plane.add_argument(
+        "--port",
+        type=int,
+        default=env_default("WEIR_WORKER_PORT", 0, int),
+        help="request-plane port; 0 picks a free one (env WEIR_WORKER_PORT; default 0)",
+    )
+    plane.add_argument(
+        "--advertise-host",
+        default=env_default("WEIR_ADVERTISE_HOST"),
+        help="address frontends dial, when --host is a wildcard (env WEIR_ADVERTISE_HOST; "
+        "default: --host, or this host's address)",
+    )
+    plane.add_argument(
+        "--metrics-port",
+        type=int,
+        default=env_default("WEIR_METRICS_PORT", None, int),
+        help="serve /live, /health and /metrics on this port (env WEIR_METRICS_PORT; default: off)",
+    )
+    plane.add_argument(
+        "--instance-id",
+        default=env_default("WEIR_INSTANCE_ID"),
+        help="this worker's id in discovery (env WEIR_INSTANCE_ID; default: hostname + random suffix)",
+    )
+    plane.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=env_default("WEIR_LEASE_TTL", DEFAULT_TTL, float),
+        metavar="SECONDS",
+        help=f"discovery lease: a dead worker disappears after this long (env WEIR_LEASE_TTL; "
+        f"default {DEFAULT_TTL:g})",
+    )
+    plane.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long in-flight requests may take to finish (default 60)",
+    )
+    add_cluster_planes(parser)
+    add_log_level(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    try:
+        model_dir = resolve_model(args.model)
+        engine = make_engine(args, model_dir, role=args.role)
+    except (ValueError, OSError) as exc:
+        print(f"weir worker: {exc}", file=sys.stderr)
+        return 2
+    import uvloop
+
+    uvloop.run(_serve(args, engine, served_name(args, model_dir)))
+    return 0
+
+
+async def _serve(args: argparse.Namespace, engine: Engine, model: str) -> None:
+    discovery = make_discovery(args.etcd, args.namespace, ttl=args.lease_ttl)
+    events = make_event_plane(args.nats)
+    host = WorkerHost(
+        engine,
+        discovery,
+        events,
+        args.namespace,
+        host=args.host,
+        port=args.port,
+        instance_id=args.instance_id,
+        advertise_host=args.advertise_host,
+    )
+    try:
+        started = asyncio.create_task(
+            serve_workers([host], args.metrics_port, drain_timeout=args.drain_timeout)
+        )
+        while host.instance is None and not started.done():
+            await asyncio.sleep(0.05)
+        if host.instance is not None:
+            where = f"{args.backend} serving {model} as {args.role} at {host.address}"
+            print(f"weir worker {host.instance_id}: {where}", flush=True)
+        await started
+    finally:
+        await asyncio.gather(discovery.close(), events.close(), return_exceptions=True)

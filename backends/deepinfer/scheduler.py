@@ -44,6 +44,7 @@ class Scheduler:
         self._order: dict[str, tuple[int, int]] = {}  # request_id -> (priority, arrival)
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = 0
+        self._waiting_tokens = 0  # sum of len(seq) over `waiting`, kept so load reports are cheap
 
     # ------------------------------------------------------------------ requests
 
@@ -57,6 +58,7 @@ class Scheduler:
         self._order[seq.request_id] = key
         self._seqs[seq.request_id] = seq
         heapq.heappush(self.waiting, (*key, seq))
+        self._waiting_tokens += len(seq)
         return seq
 
     def abort(self, request_id: str) -> Sequence | None:
@@ -69,6 +71,7 @@ class Scheduler:
         else:
             self.waiting = [entry for entry in self.waiting if entry[2] is not seq]
             heapq.heapify(self.waiting)
+            self._waiting_tokens -= len(seq)
         self._finish(seq, "abort")
         return seq
 
@@ -85,9 +88,8 @@ class Scheduler:
 
     def queued_prefill_tokens(self) -> int:
         """Tokens still to prefill: waiting sequences whole, running ones' unfinished prompts."""
-        waiting = sum(len(entry[2]) for entry in self.waiting)
-        running = sum(max(0, s.num_prompt_tokens - s.num_computed_tokens) for s in self.running)
-        return waiting + running
+        running = sum(n for s in self.running if (n := s.num_prompt_tokens - s.num_computed_tokens) > 0)
+        return self._waiting_tokens + running
 
     # ------------------------------------------------------------------ one step
 
@@ -123,6 +125,7 @@ class Scheduler:
             self.block_manager.deallocate(victim)
             victim.status = SequenceStatus.WAITING
             heapq.heappush(self.waiting, (*self._order[victim.request_id], victim))
+            self._waiting_tokens += len(victim)
             out.preempted.append(victim)
             if victim is seq:
                 return False
@@ -141,6 +144,7 @@ class Scheduler:
             if not bm.can_allocate(seq, n, prefix):
                 break  # strict order: nobody overtakes the head of the queue
             heapq.heappop(self.waiting)
+            self._waiting_tokens -= len(seq)
             bm.allocate(seq, n, prefix)
             seq.status = SequenceStatus.RUNNING
             insort(self.running, seq, key=self._key)
@@ -154,14 +158,15 @@ class Scheduler:
         results: list[SeqOutput] = []
         tokens = iter(sampled)
         any_finished = False
-        bm = self.block_manager
+        bm, block_size = self.block_manager, self.block_size
         for chunk in out.chunks:
             seq = chunk.seq
             token = next(tokens) if chunk.sample else None
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             seq.num_computed_tokens += chunk.num_tokens
-            bm.cache_full_blocks(seq)
+            if seq.num_computed_tokens >= (seq.num_registered_blocks + 1) * block_size:
+                bm.cache_full_blocks(seq)  # a block filled up
             if token is None:
                 continue
             seq.token_ids.append(token.token_id)
@@ -186,7 +191,8 @@ class Scheduler:
             token_id in request.stop_token_ids or (not request.ignore_eos and token_id in self.eos_token_ids)
         ):
             return "stop"
-        if generated >= request.max_tokens or (self.max_model_len and len(seq.token_ids) >= self.max_model_len):
+        limit = self.max_model_len
+        if generated >= request.max_tokens or (limit and len(seq.token_ids) >= limit):
             return "length"
         return None
 

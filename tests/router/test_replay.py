@@ -1,0 +1,121 @@
+"""Trace replay: the trace reader, synthetic tokens, offline replay through `weir replay`,
+and online replay against a live frontend."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from orchestrator.cli.main import main as weir
+from orchestrator.runtime.hashing import block_hashes
+from router.replay import RequestRecord, TraceRequest, TraceTokens, read_trace, summarize
+from router.replay_online import replay_online
+from tests.frontend.live_frontend import live_frontend
+from tests.frontend.tokenizer_dirs import build_chatml
+
+SHARED_TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+
+
+def line(ts: float, n_in: int, n_out: int, ids: list[int]) -> str:
+    return json.dumps({"timestamp": ts, "input_length": n_in, "output_length": n_out, "hash_ids": ids})
+
+
+def test_malformed_lines_are_reported_by_number_and_skipped(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        "\n".join(
+            [
+                line(10, 600, 5, [0, 1]),
+                "{not json",
+                json.dumps({"timestamp": 1, "input_length": 10}),  # no output_length / hash_ids
+                line(20, 600, 5, [0]),  # 600 tokens need 2 blocks of 512
+                line(30, 100, 0, [3]),  # no output
+                "",
+                line(5, 100, 2, [7]),  # earlier timestamp: sorted first
+            ]
+        )
+    )
+    requests, errors = read_trace(trace)
+    assert [r.line for r in requests] == [7, 1]
+    assert [e.split(": ")[0].rsplit(":", 1)[1] for e in errors] == ["2", "3", "4", "5"]
+    assert "need 2 hash_ids, got 1" in errors[2]
+
+
+def test_equal_hash_ids_give_equal_tokens_and_engine_blocks() -> None:
+    tokens = TraceTokens(trace_block_size=512, vocab_size=1000)
+    a = tokens.prompt(TraceRequest(1, 0, 1000, 1, (4, 5)))
+    b = tokens.prompt(TraceRequest(2, 0, 700, 1, (4, 6)))
+    assert len(a) == 1000 and len(b) == 700 and max(a + b) < 1000
+    assert a[:512] == b[:512] and a[512:700] != b[512:700]
+    ha, hb = block_hashes(a, 64), block_hashes(b, 64)
+    assert ha[:8] == hb[:8] and ha[8] != hb[8]
+    assert tokens.prompt(TraceRequest(3, 0, 512, 1, (4,))) == a[:512]
+
+
+def test_summary_figures() -> None:
+    records = [
+        RequestRecord(0, "w0", 100, 1000, 10, 1000, 500),
+        RequestRecord(500, "w1", 700, 1500, 5, 1000, 0),
+        RequestRecord(600, "w1", error="rejected"),
+    ]
+    f = summarize(records, "kv").figures
+    assert f["completed"] == 2 and f["failed"] == 1
+    assert f["hit_rate"] == 0.25  # 500 cached of 2000 prompt tokens
+    assert f["ttft_mean_ms"] == 150.0 and f["ttft_p99_ms"] == 200.0
+    assert f["itl_mean_ms"] == pytest.approx((900 / 9 + 800 / 4) / 2, abs=0.01)
+    assert f["requests_per_s"] == pytest.approx(2 / 1.5, abs=1e-3)
+    assert (f["worker_requests_min"], f["worker_requests_max"]) == (1, 2)
+
+
+def replay_json(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[dict[str, float], str]:
+    """The final JSON line of `weir replay ARGS`, and what it wrote to stderr."""
+    assert weir(["replay", *args]) == 0
+    captured = capsys.readouterr()
+    return json.loads(captured.out.strip().splitlines()[-1]), captured.err
+
+
+@pytest.mark.skipif(not SHARED_TRACE.exists(), reason=f"the shared trace is not at {SHARED_TRACE}")
+def test_offline_replay_of_a_trace_slice_kv_beats_round_robin(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = [str(SHARED_TRACE), "--workers", "4", "--max-requests", "300", "--cache-blocks", "8192"]
+    kv, _ = replay_json(capsys, *common, "--router", "kv", "--output", str(tmp_path / "kv.json"))
+    rr, _ = replay_json(capsys, *common, "--router", "round-robin")
+    assert kv["completed"] == rr["completed"] == 300
+    assert kv["hit_rate"] > rr["hit_rate"] > 0
+    assert kv["ttft_mean_ms"] < rr["ttft_mean_ms"]
+    assert json.loads((tmp_path / "kv.json").read_text()) == kv
+    for key in ("hit_rate", "ttft_mean_ms", "ttft_p99_ms", "e2e_p99_ms", "requests_per_s"):
+        assert isinstance(kv[key], float)
+
+
+def test_offline_replay_reports_bad_lines_and_block_size_mismatch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join([line(0, 40, 3, [0, 1, 2]), "oops", line(1000, 40, 3, [0, 1, 9])]) + "\n")
+    figures, err = replay_json(
+        capsys, str(trace), "--workers", "2", "--trace-block-size", "16", "--block-size", "4"
+    )
+    assert "t.jsonl:2: malformed trace line skipped" in err
+    assert figures["completed"] == 2
+    # the second request shares 32 of its 40 prompt tokens with the first: 32 of 80 in all
+    assert figures["hit_rate"] == 0.4
+    assert weir(["replay", str(trace), "--trace-block-size", "16", "--block-size", "5"]) == 2
+
+
+def test_online_replay_against_a_live_frontend(tmp_path: Path) -> None:
+    # the mocker caches 64-token blocks: 4 requests share each first block, so with two
+    # workers at least two requests find their first block cached wherever they land
+    trace = [TraceRequest(i, i * 20.0, 192, 4, (i % 2, 10 + i % 3, 100 + i)) for i in range(8)]
+    tokens = TraceTokens(trace_block_size=64, vocab_size=300)
+    with live_frontend(build_chatml(tmp_path / "tok"), num_workers=2, router_mode="kv") as live:
+        records = asyncio.run(replay_online(live.url, trace, tokens, None, speedup=2.0))
+    figures = summarize(records, "frontend").figures
+    assert figures["completed"] == 8, [r.error for r in records]
+    assert all(r.output_tokens == 4 for r in records)
+    assert figures["hit_rate"] > 0
+    assert figures["ttft_p99_ms"] is not None and figures["e2e_p99_ms"] is not None

@@ -246,7 +246,7 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--speedup", type=float, default=1e6, help="mocker speedup: large is near-zero delay")
-    parser.add_argument("--router-mode", default="round-robin")
+    parser.add_argument("--router-mode", default="kv")
     parser.add_argument("--model-dir", help="tokenizer directory (default: DeepInfer's tiny tokenizer)")
     parser.add_argument("--role", choices=("driver", "workers", "frontend", "client"), default="driver")
     parser.add_argument("--etcd")

@@ -13,8 +13,8 @@ class FrontendConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     namespace: str = "weir"
-    # The KV-aware router becomes the default once it lands (see routing.build_router).
-    router_mode: str = "round-robin"
+    # KV-aware by default; see routing.build_router for what each mode is fed.
+    router_mode: str = "kv"
     # Passed through to the router factory (e.g. overlap weight and temperature for `kv`).
     router_params: dict[str, Any] = field(default_factory=dict)
     # Wall-clock limit for one request, from arrival to its last token.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from orchestrator.frontend.config import FrontendConfig
@@ -20,8 +20,8 @@ from orchestrator.frontend.preprocessor import Preprocessor
 from orchestrator.frontend.routing import ModelRouting, build_router
 from orchestrator.runtime.discovery import Discovery, DiscoveryEvent
 from orchestrator.runtime.events import EventPlane
-from orchestrator.runtime.protocol import Instance, ModelCard
-from orchestrator.runtime.request_plane import WorkerClient
+from orchestrator.runtime.protocol import Instance, KvSnapshot, ModelCard
+from orchestrator.runtime.request_plane import RemoteError, WorkerClient
 
 log = logging.getLogger("weir.frontend")
 
@@ -131,6 +131,16 @@ class ModelRegistry:
         self.models.clear()
         self._worker_model.clear()
 
+    def _fetcher(self, model: str) -> Callable[[str], Awaitable[KvSnapshot]]:
+        async def fetch_snapshot(worker_id: str) -> KvSnapshot:
+            entry = self.models.get(model)
+            client = entry.workers.get(worker_id) if entry is not None else None
+            if client is None:
+                raise RemoteError("unavailable", f"worker {worker_id} of {model} is gone", retryable=True)
+            return await client.kv_snapshot()
+
+        return fetch_snapshot
+
     async def _new_model(self, card: ModelCard) -> ModelEntry:
         preprocessor = None
         if card.model_path:
@@ -138,5 +148,5 @@ class ModelRegistry:
                 preprocessor = await asyncio.to_thread(Preprocessor.load, card.model_path)
             except Exception:
                 log.exception("cannot load the tokenizer of %s from %s", card.name, card.model_path)
-        routing = await build_router(self.config, card, self.events)
+        routing = await build_router(self.config, card, self.events, self._fetcher(card.name))
         return ModelEntry(card.name, card, routing, self.metrics.for_model(card.name), preprocessor)

@@ -26,7 +26,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def live(model_dir: Path) -> Iterator[LiveFrontend]:
-    with live_frontend(model_dir, num_workers=2) as frontend:
+    with live_frontend(model_dir, num_workers=2, router_mode="round-robin") as frontend:
         yield frontend
 
 
@@ -139,3 +139,15 @@ def test_repeated_prompt_reports_cached_tokens(client: openai.OpenAI) -> None:
         cached.append(out.usage.prompt_tokens_details.cached_tokens)
     assert cached[0] == 0
     assert (cached[2] or 0) >= 64  # at least one full block of the prompt
+
+
+def test_kv_router_sends_a_repeated_prompt_where_it_is_cached(model_dir: Path) -> None:
+    with live_frontend(model_dir, num_workers=2, router_mode="kv") as live:
+        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        prompt = "A paged key-value cache stores attention state in fixed-size blocks. " * 20
+        first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body=FIXED)
+        second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body=FIXED)
+        assert first.usage is not None and first.usage.prompt_tokens_details is not None
+        assert second.usage is not None and second.usage.prompt_tokens_details is not None
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert (second.usage.prompt_tokens_details.cached_tokens or 0) >= 64

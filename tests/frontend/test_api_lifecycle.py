@@ -76,7 +76,7 @@ def test_health_follows_workers_and_models_follow_discovery(model_dir: Path) -> 
 
 
 def test_unreachable_worker_is_retried_on_another(model_dir: Path) -> None:
-    with live_frontend(model_dir, num_workers=1) as live:
+    with live_frontend(model_dir, num_workers=1, router_mode="round-robin") as live:
         (worker_id,) = live.engines
         card: ModelCard = live.engines[worker_id].card
         # A worker registered at a port nothing listens on: its connection fails, retryably.

@@ -13,8 +13,8 @@ sampling phase may be using them.
 
 from __future__ import annotations
 
+import json
 import threading
-from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Protocol
 
@@ -30,11 +30,36 @@ from backends.deepinfer.sequence import Sequence
 from orchestrator.runtime.protocol import WorkerRequest
 
 
+def eos_token_ids(model_dir: Path) -> list[int]:
+    """Every id that ends generation: the tokenizer's eos token plus generation_config.json's
+    and config.json's `eos_token_id` (instruct models often end turns with another token).
+    The frontend's preprocessor reads the same files the same way."""
+    ids: list[int] = []
+
+    def read(name: str) -> dict[str, object]:
+        path = model_dir / name
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    eos = read("tokenizer_config.json").get("eos_token")
+    eos_text = eos.get("content") if isinstance(eos, dict) else eos
+    if isinstance(eos_text, str) and (model_dir / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        token_id = Tokenizer.from_file(str(model_dir / "tokenizer.json")).token_to_id(eos_text)
+        if token_id is not None:
+            ids.append(token_id)
+    for name in ("generation_config.json", "config.json"):
+        value = read(name).get("eos_token_id")
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, int) and item not in ids:
+                ids.append(item)
+    return ids
+
+
 class Runner(Protocol):
     """What the engine needs from `model_runner.ModelRunner` (the only owner of the device)."""
 
     vocab_size: int
-    eos_token_ids: Seq[int]
     max_model_len: int
     num_kv_blocks: int
     kv_bytes_per_token: int
@@ -54,7 +79,7 @@ class Engine:
         self.runner = runner
         self.model_dir = Path(config.model)
         self.vocab_size = self.runner.vocab_size
-        self.eos_token_ids = list(self.runner.eos_token_ids)
+        self.eos_token_ids = eos_token_ids(self.model_dir)
         self.max_model_len = self.runner.max_model_len
         self.scheduler = Scheduler(config, self.runner.num_kv_blocks, self.eos_token_ids, self.max_model_len)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, config.seed, config.deterministic)

@@ -1,0 +1,157 @@
+"""DeepInfer behind the runtime's Engine seam: streaming, cancellation, KV events, the card,
+and (slow) the default SmolLM2 answering a real question."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from backends.deepinfer.args import add_deepinfer_arguments, deepinfer_config_from_args
+from backends.deepinfer.config import EngineConfig
+from backends.deepinfer.worker import DeepInferWorker
+from orchestrator.runtime.engine import EngineError
+from orchestrator.runtime.hashing import block_hashes
+from orchestrator.runtime.protocol import BlockStored, SamplingOptions, TokenDelta, WorkerRequest
+
+GREEDY = SamplingOptions(temperature=0.0)
+
+
+@pytest.fixture
+async def worker(tiny_llama_dir: Path) -> AsyncIterator[DeepInferWorker]:
+    w = DeepInferWorker(
+        EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=64, block_size=16)
+    )
+    await w.start()
+    yield w
+    await w.stop()
+
+
+async def collect(stream: AsyncIterator[TokenDelta]) -> list[TokenDelta]:
+    return [d async for d in stream]
+
+
+async def test_stream_ends_with_usage(worker: DeepInferWorker) -> None:
+    req = WorkerRequest(
+        request_id="a", token_ids=list(range(3, 40)), max_tokens=9, ignore_eos=True, logprobs=2
+    )
+    deltas = await collect(worker.generate(req))
+    tokens = [t for d in deltas for t in d.token_ids]
+    last = deltas[-1]
+    assert last.finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
+    assert last.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (37, 9) == (37, len(tokens))
+    logprobs = [lp for d in deltas for lp in d.logprobs or ()]
+    assert [lp.token_id for lp in logprobs] == tokens and all(len(lp.top) == 2 for lp in logprobs)
+
+
+async def test_concurrent_streams_and_cached_tokens(worker: DeepInferWorker) -> None:
+    prompt = list(range(10, 50))
+
+    def req(rid: str) -> WorkerRequest:
+        return WorkerRequest(request_id=rid, token_ids=prompt, max_tokens=6, sampling=GREEDY, ignore_eos=True)
+
+    first = await collect(worker.generate(req("first")))
+    others = await asyncio.gather(*(collect(worker.generate(req(f"again{i}"))) for i in range(4)))
+    usage = first[-1].usage
+    assert usage is not None and usage.cached_tokens == 0
+    for deltas in others:
+        again = deltas[-1].usage
+        assert again is not None and again.cached_tokens == 32
+        assert [t for d in deltas for t in d.token_ids] == [t for d in first for t in d.token_ids]
+
+
+async def test_closing_the_stream_frees_blocks_at_once(worker: DeepInferWorker) -> None:
+    req = WorkerRequest(request_id="c", token_ids=list(range(3, 70)), max_tokens=500, ignore_eos=True)
+    stream = worker.generate(req)
+    await anext(stream)
+    assert worker.load().active_blocks > 0
+    await stream.aclose()  # type: ignore[attr-defined]
+    load = worker.load()
+    assert (load.active_blocks, load.active_requests, load.waiting_requests) == (0, 0, 0)
+    # The prompt's full blocks stay cached for the next request.
+    assert worker.kv_snapshot().blocks["device"]
+
+
+async def test_kv_events_use_the_shared_block_hash(worker: DeepInferWorker) -> None:
+    prompt = list(range(100, 150))
+    await collect(worker.generate(WorkerRequest(request_id="k", token_ids=prompt, max_tokens=1)))
+    batches = worker.take_kv_events()
+    assert [b.event_id for b in batches] == list(range(1, len(batches) + 1))
+    stored = [h for b in batches for e in b.events if isinstance(e, BlockStored) for h in e.blocks]
+    assert stored[:3] == block_hashes(prompt, 16)
+    snapshot = worker.kv_snapshot()
+    assert snapshot.event_id == batches[-1].event_id == worker.load().kv_event_id
+    assert set(block_hashes(prompt, 16)) <= set(snapshot.blocks["device"])
+    assert worker.take_kv_events() == []
+
+
+async def test_card_and_rejections(worker: DeepInferWorker, tiny_llama_dir: Path) -> None:
+    card = worker.card
+    assert (card.backend, card.role, card.block_size, card.total_kv_blocks) == (
+        "deepinfer",
+        "aggregated",
+        16,
+        64,
+    )
+    assert card.model_path == str(tiny_llama_dir) and (tiny_llama_dir / "tokenizer.json").is_file()
+    assert card.kv_bytes_per_token > 0 and card.eos_token_ids
+    with pytest.raises(EngineError) as err:
+        await collect(worker.generate(WorkerRequest(request_id="x", token_ids=[1, 99999], max_tokens=3)))
+    assert err.value.code == "invalid_request"
+    with pytest.raises(EngineError, match=r"holds|limit"):
+        await collect(worker.generate(WorkerRequest(request_id="y", token_ids=[1] * 2000, max_tokens=3)))
+
+
+async def test_stop_aborts_requests_in_flight(tiny_llama_dir: Path) -> None:
+    w = DeepInferWorker(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=64))
+    await w.start()
+    stream = w.generate(WorkerRequest(request_id="s", token_ids=[5, 6, 7], max_tokens=800, ignore_eos=True))
+    await anext(stream)
+    await w.stop()
+    rest = await collect(stream)
+    assert rest[-1].finish_reason == "abort" and rest[-1].usage is not None
+
+
+def test_cli_flags_build_the_config(tiny_llama_dir: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_deepinfer_arguments(parser)
+    flags = (
+        "--block-size 32 --num-kv-blocks 50 --deterministic --no-prefix-caching --max-num-seqs 8 --device cpu"
+    )
+    args = parser.parse_args(["--model", str(tiny_llama_dir), *flags.split()])
+    config = deepinfer_config_from_args(args)
+    assert (config.block_size, config.num_kv_blocks, config.max_num_seqs) == (32, 50, 8)
+    assert config.deterministic and not config.enable_prefix_caching and config.model == str(tiny_llama_dir)
+    with pytest.raises(ValueError, match="checkpoint"):
+        deepinfer_config_from_args(parser.parse_args(["--model", str(tiny_llama_dir / "nope")]))
+
+
+@pytest.mark.slow
+async def test_smollm2_knows_the_capital_of_france(smollm2_dir: Path) -> None:
+    """Through the worker with the model's own chat template (the frontend's Preprocessor)."""
+    from orchestrator.frontend.preprocessor import Preprocessor
+
+    pre = Preprocessor.load(smollm2_dir)
+    text = pre.render_chat(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
+    )
+    ids = pre.encode(text, add_special_tokens=False)
+    w = DeepInferWorker(EngineConfig(model=str(smollm2_dir), device="cpu", num_kv_blocks=64))
+    await w.start()
+    try:
+        req = WorkerRequest(
+            request_id="paris",
+            token_ids=ids,
+            max_tokens=40,
+            sampling=GREEDY,
+            stop_token_ids=pre.eos_token_ids,
+        )
+        deltas = await collect(w.generate(req))
+    finally:
+        await w.stop()
+    answer = pre.decode([t for d in deltas for t in d.token_ids])
+    assert "Paris" in answer, answer

@@ -205,21 +205,48 @@ def test_duplicate_request_ids_are_refused() -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(
-    st.lists(st.tuples(st.integers(1, 30), st.integers(1, 10), st.integers(0, 2)), min_size=1, max_size=12),
+    st.lists(
+        st.tuples(
+            st.integers(1, 30),  # prompt length
+            st.integers(1, 10),  # max_tokens
+            st.integers(0, 2),  # priority
+            st.integers(0, 12),  # abort after this many steps (0: never)
+        ),
+        min_size=1,
+        max_size=12,
+    ),
     st.integers(8, 40),
     st.integers(4, 48),
 )
 def test_any_workload_finishes_within_limits(
-    reqs: list[tuple[int, int, int]], num_blocks: int, budget: int
+    reqs: list[tuple[int, int, int, int]], num_blocks: int, budget: int
 ) -> None:
     s = scheduler(num_blocks=num_blocks, budget=budget, max_seqs=4)
-    seqs = []
-    for i, (prompt, max_tokens, prio) in enumerate(reqs):
+    seqs: list[Sequence] = []
+    aborts: dict[int, list[str]] = {}
+    for i, (prompt, max_tokens, prio, abort_at) in enumerate(reqs):
         if -(-(prompt + max_tokens) // BS) > num_blocks:
             continue
         seqs.append(s.add(request(f"r{i}", prompt=list(range(prompt)), max_tokens=max_tokens, priority=prio)))
-    for out in run(s):
+        if abort_at:
+            aborts.setdefault(abort_at, []).append(f"r{i}")
+    steps = 0
+    while s.has_unfinished():
+        out = step(s)
+        steps += 1
+        for rid in aborts.get(steps, []):
+            s.abort(rid)
         assert out.num_batched_tokens <= budget
         assert len({id(c.seq) for c in out.chunks}) == len(out.chunks) <= 4
-    assert all(q.num_completion_tokens == q.request.max_tokens for q in seqs)
+        queued = sum(len(e[2]) for e in s.waiting)
+        queued += sum(max(0, q.num_prompt_tokens - q.num_computed_tokens) for q in s.running)
+        assert s.queued_prefill_tokens() == queued
+        held = {b for q in s.running for b in q.block_table}  # shared prefix blocks count once
+        assert s.block_manager.num_active_blocks == len(held)
+        assert steps < 10_000
+    for q in seqs:
+        if q.finish_reason == "abort":
+            assert q.num_completion_tokens <= q.request.max_tokens
+        else:
+            assert q.finish_reason == "length" and q.num_completion_tokens == q.request.max_tokens
     assert s.block_manager.num_active_blocks == 0

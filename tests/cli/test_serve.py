@@ -1,0 +1,113 @@
+"""The real `weir serve` as a subprocess, queried with the official openai client over HTTP."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from backends.registry import DEFAULT_MODEL
+from tests.cli.procs import stop, wait_healthy, weir_process
+from tests.servers import free_port
+
+# Mocker workers with near-zero step time: these tests are about the CLI and the HTTP surface.
+MOCKER = ["--backend", "mocker", "--speedup", "1000"]
+
+
+class Served:
+    def __init__(self, proc: subprocess.Popen[bytes], base_url: str, log: Path) -> None:
+        self.proc = proc
+        self.base_url = base_url
+        self.log = log
+        self.client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with weir_process("serve", *MOCKER, "--workers", "2", "--port", str(port), log=log) as proc:
+        base_url = f"http://127.0.0.1:{port}"
+        wait_healthy(base_url, proc, log)
+        yield Served(proc, base_url, log)
+
+
+def test_prints_one_line_with_address_and_model(served: Served) -> None:
+    lines = served.log.read_text().splitlines()
+    assert lines == [f"weir serving {DEFAULT_MODEL} (2 mocker workers) on {served.base_url}"]
+
+
+def test_models(served: Served) -> None:
+    assert [m.id for m in served.client.models.list().data] == [DEFAULT_MODEL]
+
+
+def test_chat(served: Served) -> None:
+    reply = served.client.chat.completions.create(
+        model=DEFAULT_MODEL,
+        messages=[{"role": "user", "content": "Hello!"}],
+        max_tokens=8,
+        extra_body={"ignore_eos": True},
+    )
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.choices[0].message.content
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == 8
+    assert reply.usage.prompt_tokens > 0
+
+
+def test_completion(served: Served) -> None:
+    reply = served.client.completions.create(
+        model=DEFAULT_MODEL, prompt="Once upon a time", max_tokens=5, extra_body={"ignore_eos": True}
+    )
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == 5
+
+
+def test_streaming_chat_and_completion(served: Served) -> None:
+    chat = served.client.chat.completions.create(
+        model=DEFAULT_MODEL,
+        messages=[{"role": "user", "content": "Count to ten."}],
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(chat)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "length"
+    ]
+
+    completion = served.client.completions.create(
+        model=DEFAULT_MODEL, prompt="A B C", max_tokens=6, stream=True, extra_body={"ignore_eos": True}
+    )
+    finishes = [c.choices[0].finish_reason for c in completion if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+
+
+def test_unknown_model_is_a_404_in_openai_shape(served: Served) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        served.client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    assert "no-such-model" in str(info.value)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_stops_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with weir_process("serve", *MOCKER, "--port", str(port), log=log) as proc:
+        base_url = f"http://127.0.0.1:{port}"
+        wait_healthy(base_url, proc, log)
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=30)
+        assert client.completions.create(model=DEFAULT_MODEL, prompt="hi", max_tokens=2).choices
+        assert stop(proc, sig) == 0
+    output = log.read_text()
+    assert "Traceback" not in output, output

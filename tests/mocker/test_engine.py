@@ -11,7 +11,7 @@ import pytest
 from backends.mocker.config import MockerConfig
 from backends.mocker.core import MockerCore
 from backends.mocker.engine import MockerEngine
-from orchestrator.runtime.engine import EngineError
+from orchestrator.runtime.engine import Engine, EngineError
 from orchestrator.runtime.protocol import SamplingOptions, TokenDelta, WorkerRequest
 
 FAST = 1e6  # speedup: steps take no wall time to speak of
@@ -39,7 +39,8 @@ async def engine() -> AsyncIterator[MockerEngine]:
 
 
 async def test_card_describes_the_mocker(engine: MockerEngine) -> None:
-    card = engine.card
+    as_engine: Engine = engine  # mypy checks that MockerEngine satisfies the Engine protocol
+    card = as_engine.card
     assert (card.name, card.model_path, card.backend) == ("mock-a", "/tmp/tok", "mocker")
     assert (card.block_size, card.total_kv_blocks, card.max_num_seqs) == (64, 16_384, 256)
 

@@ -21,6 +21,7 @@ from backends.mocker.engine import MockerEngine
 from orchestrator.frontend.config import FrontendConfig
 from orchestrator.frontend.server import create_app, uvicorn_config
 from orchestrator.runtime.discovery import MemoryDiscovery
+from orchestrator.runtime.engine import Engine
 from orchestrator.runtime.protocol import Instance
 from orchestrator.runtime.request_plane import LocalWorkerClient
 from tests.servers import free_port
@@ -34,7 +35,7 @@ class LiveFrontend:
     url: str
     loop: asyncio.AbstractEventLoop
     discovery: MemoryDiscovery
-    engines: dict[str, MockerEngine]
+    engines: dict[str, Engine]
     server: uvicorn.Server
     thread: threading.Thread = field(repr=False)
 
@@ -49,10 +50,23 @@ class LiveFrontend:
         return self.call(count)
 
 
+def mocker_factory(model_dir: Path, speedup: float = 1000.0) -> Callable[[], Engine]:
+    config = MockerConfig(
+        model_name=MODEL, model_path=str(model_dir), speedup=speedup, vocab_size=400, context_length=4096
+    )
+    return lambda: MockerEngine(config)
+
+
 @contextmanager
 def live_frontend(
-    model_dir: Path, num_workers: int = 2, speedup: float = 1000.0, **config: Any
+    model_dir: Path,
+    num_workers: int = 2,
+    speedup: float = 1000.0,
+    engine_factory: Callable[[], Engine] | None = None,
+    **config: Any,
 ) -> Iterator[LiveFrontend]:
+    """Mocker workers by default; `engine_factory` serves any other engine instead."""
+    make_engine = engine_factory or mocker_factory(model_dir, speedup)
     port = free_port()
     frontend_config = FrontendConfig(port=port, **config)
     started: dict[str, Any] = {}
@@ -60,10 +74,7 @@ def live_frontend(
 
     async def main() -> None:
         discovery = MemoryDiscovery()
-        mocker = MockerConfig(
-            model_name=MODEL, model_path=str(model_dir), speedup=speedup, vocab_size=400, context_length=4096
-        )
-        engines = {f"mocker-{i}": MockerEngine(mocker) for i in range(num_workers)}
+        engines = {f"worker-{i}": make_engine() for i in range(num_workers)}
         for engine in engines.values():
             await engine.start()
         local = {worker_id: LocalWorkerClient(engine) for worker_id, engine in engines.items()}

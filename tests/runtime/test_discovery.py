@@ -133,6 +133,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.slow
 async def test_sigkilled_worker_disappears_within_its_ttl(etcd_url: str) -> None:
     namespace = f"kill{uuid.uuid4().hex[:6]}"
     proc = subprocess.Popen(

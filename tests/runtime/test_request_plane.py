@@ -1,4 +1,6 @@
-"""Request plane over real loopback TCP: multiplexing, cancellation, errors, connection loss."""
+"""Request plane over real loopback TCP: multiplexing, cancellation, errors, connection loss.
+
+Each test runs on asyncio's loop and on uvloop (see conftest.py)."""
 
 from __future__ import annotations
 
@@ -153,7 +155,8 @@ async def test_connection_loss_is_retryable_and_the_client_reconnects(server: Re
     revived = RequestPlaneServer({"count": count})
     await revived.start("127.0.0.1", port)
     try:
-        assert [c async for c in client.stream(f"127.0.0.1:{port}", "count", b"x:3")] == [b"x:0", b"x:1", b"x:2"]
+        got = [c async for c in client.stream(f"127.0.0.1:{port}", "count", b"x:3")]
+        assert got == [b"x:0", b"x:1", b"x:2"]
     finally:
         await revived.stop()
         await client.close()

@@ -11,7 +11,6 @@ import uuid
 from pathlib import Path
 
 import httpx
-import pytest
 
 from orchestrator.runtime.discovery import make_discovery
 from orchestrator.runtime.protocol import WorkerRequest
@@ -39,7 +38,6 @@ asyncio.run(main())
 """
 
 
-@pytest.mark.slow
 async def test_sigterm_finishes_in_flight_requests_then_exits(etcd_url: str) -> None:
     namespace = f"sig{uuid.uuid4().hex[:6]}"
     metrics_port = free_port()

@@ -30,17 +30,23 @@ class KvIndexer:
     def __init__(self) -> None:
         self.blocks = BlockIndex()
         self._sync: dict[str, _SyncState] = {}
+        # Workers whose state was never known: the router keeps requests off them until their
+        # snapshot arrives, so a restarted router does not see warm workers as cold.
+        self.joining: set[str] = set()
         self.events_applied = 0
         self.blocks_applied = 0
 
     # ------------------------------------------------------------------ workers
 
     def add_worker(self, worker_id: str) -> None:
-        self._sync.setdefault(worker_id, _SyncState())
+        if worker_id not in self._sync:
+            self._sync[worker_id] = _SyncState()
+            self.joining.add(worker_id)
         self.blocks.add_worker(worker_id)
 
     def remove_worker(self, worker_id: str) -> None:
         self._sync.pop(worker_id, None)
+        self.joining.discard(worker_id)
         self.blocks.remove_worker(worker_id)
 
     def needs_resync(self) -> list[str]:
@@ -72,6 +78,7 @@ class KvIndexer:
         if last is not None and batch.event_id == last + 1:
             self._apply(batch)
             state.last_event_id = batch.event_id
+            self.joining.discard(batch.worker_id)
             self._drain_held_back(state)
             return _has_gap(state)
         if len(state.held_back) >= MAX_HELD_BACK:
@@ -99,6 +106,7 @@ class KvIndexer:
             for tier in TIERS:
                 self.blocks.store(snapshot.worker_id, snapshot.blocks.get(tier, ()), tier)
             state.last_event_id = snapshot.event_id
+            self.joining.discard(snapshot.worker_id)
         for event_id in [i for i in state.held_back if i <= state.last_event_id]:
             del state.held_back[event_id]
         self._drain_held_back(state)

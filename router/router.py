@@ -120,6 +120,10 @@ class Router:
         candidates = {w: load for w, load in self.workers.items() if not load.draining}
         if not candidates:
             raise NoWorkerAvailable("no worker is available for this model")
+        if isinstance(self.index, KvIndexer) and self.index.joining:
+            # Until its snapshot arrives a worker's cache is unknown: do not mistake it for cold.
+            joining = self.index.joining
+            candidates = {w: load for w, load in candidates.items() if w not in joining} or candidates
         decision = self.policy.select(request, candidates)
         update = self.loads.on_routed(decision.worker_id, request)
         if self.on_inflight is not None:

@@ -62,6 +62,7 @@ class OfflineReplay:
     def run(self, trace: Sequence[TraceRequest]) -> list[RequestRecord]:
         for w in self.workers:
             self.router.add_worker(w.worker_id, total_blocks=self.config.num_blocks)
+            self.router.apply_kv_snapshot(replace(w.core.kv_snapshot(), worker_id=w.worker_id))
         start = trace[0].timestamp_ms if trace else 0.0
         for request in trace:
             self._push(request.timestamp_ms - start, _ARRIVAL, request)

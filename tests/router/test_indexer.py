@@ -143,7 +143,7 @@ class _Worker:
         return KvSnapshot(worker_id=self.worker_id, event_id=self.published, blocks=blocks)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     events=st.lists(st.lists(st.lists(EVENT, min_size=1, max_size=3), max_size=12), min_size=1, max_size=3),
     data=st.data(),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.runtime.hashing import block_hashes
-from orchestrator.runtime.protocol import BlockStored, KvEventBatch, LoadReport
+from orchestrator.runtime.protocol import BlockStored, KvEventBatch, KvSnapshot, LoadReport
 from router.approx import ApproxIndexer
 from router.cost import CostParams
 from router.load import LoadTracker
@@ -20,10 +20,13 @@ def req(request_id: str, tokens: list[int], pinned: str | None = None) -> RouteR
     return RouteRequest(request_id, len(tokens), block_hashes(tokens, BS), pinned_worker=pinned)
 
 
-def router_with(mode: str, n: int = 3, **params: object) -> Router:
+def router_with(mode: str, n: int = 3, synced: bool = True, **params: object) -> Router:
+    """`n` workers; in kv mode their (empty) snapshots applied, as the subscriber would."""
     router = make_router(mode, BS, seed=0, **params)  # type: ignore[arg-type]
     for i in range(n):
         router.add_worker(f"w{i}", total_blocks=100)
+        if synced:
+            router.apply_kv_snapshot(KvSnapshot(worker_id=f"w{i}", event_id=0, blocks={}))
     return router
 
 
@@ -168,3 +171,12 @@ def test_make_router_without_events_uses_the_approximate_index() -> None:
     router = make_router("kv", BS, kv_events=False, overlap_weight=2.0)
     assert isinstance(router.index, ApproxIndexer)
     assert router.select is not None and router.needs_resync() == []
+
+
+def test_workers_whose_cache_is_unknown_wait_for_their_snapshot() -> None:
+    router = router_with("kv", n=2, synced=False)  # a restarted router: no snapshot yet
+    assert {router.select(req(str(i), [1] * 4)).worker_id for i in range(4)} == {"w0", "w1"}
+    router.apply_kv_snapshot(KvSnapshot(worker_id="w0", event_id=5, blocks={"device": [1]}))
+    assert {router.select(req(f"x{i}", [1] * 4)).worker_id for i in range(4)} == {"w0"}
+    router.apply_kv_batch(KvEventBatch(worker_id="w1", event_id=1, events=[]))  # a fresh worker
+    assert router.select(req("y", [1] * 4)).worker_id == "w1"  # routable again, and the least loaded

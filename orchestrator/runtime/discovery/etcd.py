@@ -42,12 +42,17 @@ _GRPC_OPTIONS = {
 _RETRY_MAX_S = 2.0
 
 
+class EtcdUnavailable(DiscoveryUnavailable, aetcd.ClientError):
+    """DiscoveryUnavailable for callers of the abstraction; still an aetcd.ClientError for
+    code written against aetcd."""
+
+
 @contextlib.contextmanager
 def _unavailable_on_error() -> Iterator[None]:
     try:
         yield
     except aetcd.ClientError as exc:
-        raise DiscoveryUnavailable(f"etcd: {exc}") from exc
+        raise EtcdUnavailable(f"etcd: {exc}") from exc
 
 
 class EtcdDiscovery(Discovery):

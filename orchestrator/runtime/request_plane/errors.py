@@ -16,6 +16,10 @@ class RemoteError(Exception):
         self.message = message
         self.retryable = retryable
 
+    @property
+    def error(self) -> WorkerError:
+        return self.to_wire()
+
     @classmethod
     def from_wire(cls, error: WorkerError) -> RemoteError:
         return cls(error.code, error.message, error.retryable)

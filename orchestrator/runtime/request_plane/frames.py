@@ -63,7 +63,11 @@ def append_frame(buf: bytearray, frame: Frame) -> None:
     """Append `frame`, length-prefixed, to `buf` without intermediate copies."""
     start = len(buf)
     buf += b"\0\0\0\0"
-    _encoder.encode_into(frame, buf, start + 4)
+    try:
+        _encoder.encode_into(frame, buf, start + 4)
+    except BaseException:
+        del buf[start:]  # never leave half a frame in a shared write buffer
+        raise
     _HEADER.pack_into(buf, start, len(buf) - start - 4)
 
 

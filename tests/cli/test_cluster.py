@@ -1,0 +1,145 @@
+"""Issue 2's multi-process acceptance test: `weir frontend` and two `weir worker --backend mocker`
+processes over real etcd and NATS. SIGKILL one worker: within its lease TTL the frontend stops
+routing to it, and requests keep succeeding on the other throughout."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from backends.registry import DEFAULT_MODEL
+from tests.cli.procs import wait_healthy, weir_process
+from tests.servers import free_port
+
+LEASE_TTL = 2.0  # etcd's smallest lease with its default election timeout
+MOCKER = ["--backend", "mocker", "--speedup", "1000"]
+
+pytestmark = pytest.mark.slow
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    """One sample's value from Prometheus text, 0 if absent."""
+    pattern = (
+        rf"^{re.escape(name)}(?:\{{{re.escape(labels)}\}})? ([0-9.e+-]+)$" if labels else rf"^{name} (\S+)$"
+    )
+    found = re.search(pattern, text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+class Cluster:
+    def __init__(self, frontend: str, workers: dict[str, str]) -> None:
+        self.frontend = frontend
+        self.workers = workers  # instance id -> metrics base URL
+        self.client = openai.OpenAI(base_url=f"{frontend}/v1", api_key="unused", max_retries=0, timeout=30)
+
+    def complete(self) -> None:
+        reply = self.client.completions.create(
+            model=DEFAULT_MODEL, prompt="ping", max_tokens=4, extra_body={"ignore_eos": True}
+        )
+        assert reply.choices[0].finish_reason == "length"
+
+    def served_by(self, worker: str) -> float:
+        text = httpx.get(f"{self.workers[worker]}/metrics", timeout=5).text
+        return metric(text, "weir_worker_requests_total", f'outcome="ok",worker="{worker}"')
+
+    def frontend_metric(self, name: str) -> float:
+        return metric(httpx.get(f"{self.frontend}/metrics", timeout=5).text, name)
+
+    def known_workers(self) -> int:
+        return int(httpx.get(f"{self.frontend}/health", timeout=5).json()["workers"])
+
+
+@pytest.fixture
+def cluster(
+    etcd_url: str, nats_url: str, tmp_path: Path
+) -> Iterator[tuple[Cluster, dict[str, subprocess.Popen[bytes]]]]:
+    namespace = f"cluster-{time.monotonic_ns()}"
+    planes = ["--etcd", etcd_url, "--nats", nats_url, "--namespace", namespace]
+    port = free_port()
+    with ExitStack() as stack:
+        procs: dict[str, subprocess.Popen[bytes]] = {}
+        workers: dict[str, str] = {}
+        for name in ("worker-a", "worker-b"):
+            metrics_port = free_port()
+            procs[name] = stack.enter_context(
+                weir_process(
+                    "worker",
+                    *MOCKER,
+                    *planes,
+                    "--instance-id",
+                    name,
+                    "--lease-ttl",
+                    str(LEASE_TTL),
+                    "--metrics-port",
+                    str(metrics_port),
+                    log=tmp_path / f"{name}.log",
+                )
+            )
+            workers[name] = f"http://127.0.0.1:{metrics_port}"
+        frontend_log = tmp_path / "frontend.log"
+        frontend = procs["frontend"] = stack.enter_context(
+            weir_process(
+                "frontend", *planes, "--port", str(port), "--router-mode", "round-robin", log=frontend_log
+            )
+        )
+        base_url = f"http://127.0.0.1:{port}"
+        wait_healthy(base_url, frontend, frontend_log)
+        result = Cluster(base_url, workers)
+        deadline = time.monotonic() + 60
+        while result.known_workers() < 2:
+            assert time.monotonic() < deadline, "the frontend never saw both workers"
+            time.sleep(0.1)
+        yield result, procs
+
+
+def test_killed_worker_stops_receiving_requests_within_lease_ttl(
+    cluster: tuple[Cluster, dict[str, subprocess.Popen[bytes]]],
+) -> None:
+    c, procs = cluster
+    for _ in range(8):
+        c.complete()
+    # Round robin over two workers: both served.
+    assert c.served_by("worker-a") == c.served_by("worker-b") == 4
+
+    procs["worker-a"].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    # Until the lease expires the frontend still picks worker-a half of the time; those requests
+    # fail over to worker-b before their first token, so the client sees no error.
+    while c.known_workers() == 2:
+        c.complete()
+        assert time.monotonic() - killed < LEASE_TTL + 2.0, "worker-a still routable after its lease TTL"
+    gone_after = time.monotonic() - killed
+    assert gone_after <= LEASE_TTL + 2.0
+    print(
+        f"worker-a left the frontend {gone_after:.2f} s after SIGKILL; "
+        f"{c.frontend_metric('weir_frontend_retries_total'):.0f} requests failed over meanwhile"
+    )
+
+    # From now on nothing is routed to worker-a: no retries, every request served by worker-b.
+    retries = c.frontend_metric("weir_frontend_retries_total")
+    before = c.served_by("worker-b")
+    for _ in range(10):
+        c.complete()
+    assert c.frontend_metric("weir_frontend_retries_total") == retries
+    assert c.served_by("worker-b") == before + 10
+    assert c.frontend_metric("weir_frontend_workers") == 1
+
+    # SIGTERM drains: the worker exits cleanly and leaves discovery at once, not after its TTL.
+    procs["worker-b"].send_signal(signal.SIGTERM)
+    assert procs["worker-b"].wait(timeout=20) == 0
+    deadline = time.monotonic() + 1.0
+    while c.known_workers() != 0:
+        assert time.monotonic() < deadline, "a drained worker should deregister, not wait for its lease"
+        time.sleep(0.05)
+
+    procs["frontend"].send_signal(signal.SIGTERM)
+    assert procs["frontend"].wait(timeout=20) == 0

@@ -49,10 +49,11 @@ def test_each_pool_is_a_deployment_with_labels_args_and_gpus(disagg: list[Manife
             "worker",
             "--backend=deepinfer",
             f"--role={role}",
-            "--model=Qwen/Qwen3-8B",
+            "--model=/models/Qwen3-8B",
             "--host=0.0.0.0",
             "--port=9000",
             "--metrics-port=9090",
+            "--drain-timeout=285",
         ]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert container["resources"]["requests"]["nvidia.com/gpu"] == 1
@@ -75,6 +76,8 @@ def test_pool_args_env_and_image_overrides(helm_bin: str) -> None:
     assert {"name": "FOO", "value": "bar"} in container["env"]
     assert container["image"] == "ghcr.io/weir-project/weir:cuda"
     assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 900
+    # SIGTERM drains the worker, and the drain must end before the kubelet's SIGKILL.
+    assert "--drain-timeout=885" in container["args"]
 
 
 def test_frontend_deployment_and_service(disagg: list[Manifest]) -> None:
@@ -269,3 +272,18 @@ def test_operator_role_grants_what_the_cli_uses(helm_bin: str) -> None:
     } <= granted
     binding = one(manifests, "RoleBinding", "r-weir-operator")
     assert binding["subjects"] == [{"kind": "User", "name": "alice", "apiGroup": "rbac.authorization.k8s.io"}]
+
+
+def test_frontend_sees_model_directories_where_workers_do(disagg: list[Manifest]) -> None:
+    """The frontend loads tokenizers from the directory a worker's card names, so both mount
+    the same claim at the same path and agree on the cache variables."""
+    frontend = one(disagg, "Deployment", "prod-weir-frontend")
+    views = []
+    for dep in [frontend, one(disagg, "Deployment", "prod-weir-pool-decode")]:
+        pod = dep["spec"]["template"]["spec"]
+        claim = next(v for v in pod["volumes"] if v["name"] == "cache")["persistentVolumeClaim"]["claimName"]
+        container = _container(dep)
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "cache")["mountPath"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        views.append((claim, mount, env["WEIR_CACHE_DIR"], env["HF_HOME"]))
+    assert views[0] == views[1] == ("weir-models", "/models", "/models/weir", "/models/hf")

@@ -1,11 +1,11 @@
-"""Prometheus metrics for the frontend, on a registry per app (no process globals).
+"""Prometheus metrics for the frontend, on a registry per app.
 
 Label lookups happen once per model (`ModelMetrics`) or once per request, never per token:
 the streaming path only touches pre-bound children."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0)
@@ -90,4 +90,5 @@ class Metrics:
         child.inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        # Plus the process-wide registry: the router's metrics, and in `weir serve` the workers'.
+        return generate_latest(self.registry) + generate_latest(REGISTRY)

@@ -57,6 +57,19 @@ def guided_spec(req: GenerationRequest) -> GuidedSpec | None:
     return specs[0] if specs else None
 
 
+def check_token_ids(req: GenerationRequest, vocab_size: int) -> None:
+    """Token ids the client names (logit_bias keys, stop_token_ids) must exist in the vocabulary."""
+    for param, ids in (
+        ("logit_bias", map(int, req.logit_bias or ())),
+        ("stop_token_ids", req.stop_token_ids or ()),
+    ):
+        for token_id in ids:
+            if not 0 <= token_id < vocab_size:
+                raise InvalidRequest(
+                    f"token id {token_id} is outside the vocabulary [0, {vocab_size})", param=param
+                )
+
+
 def stop_strings(req: GenerationRequest) -> list[str]:
     if req.stop is None:
         return []

@@ -60,7 +60,7 @@ class ModelRegistry:
         self.events = events
         self.metrics = metrics
         self.models: dict[str, ModelEntry] = {}
-        self._worker_model: dict[str, str] = {}
+        self._workers: dict[str, Instance] = {}  # routable workers by instance id
 
     def get(self, name: str) -> ModelEntry:
         entry = self.models.get(name)
@@ -70,7 +70,7 @@ class ModelRegistry:
 
     @property
     def worker_count(self) -> int:
-        return len(self._worker_model)
+        return len(self._workers)
 
     async def follow(self, discovery: Discovery) -> None:
         """Apply discovery events until cancelled. One bad event is logged, never fatal."""
@@ -87,12 +87,14 @@ class ModelRegistry:
             return
         card = instance.card
         if card is None or card.role not in _ROUTABLE_ROLES:
+            await self.remove_worker(instance.instance_id)
             return
-        known_model = self._worker_model.get(instance.instance_id)
-        if known_model == card.name:
+        known = self._workers.get(instance.instance_id)
+        if known is not None and known.card == card and known.address == instance.address:
+            self._workers[instance.instance_id] = instance
             self.models[card.name].routing.router.set_draining(instance.instance_id, instance.draining)
             return
-        if known_model is not None:  # re-registered under another model
+        if known is not None:  # restarted elsewhere, or now serving something else
             await self.remove_worker(instance.instance_id)
         await self.add_worker(instance, card)
 
@@ -105,16 +107,17 @@ class ModelRegistry:
         router = entry.routing.router
         router.add_worker(instance.instance_id, card.total_kv_blocks)
         router.set_draining(instance.instance_id, instance.draining)
-        self._worker_model[instance.instance_id] = card.name
+        self._workers[instance.instance_id] = instance
         self.metrics.workers.set(self.worker_count)
         log.info(
             "worker %s serves %s at %s", instance.instance_id, card.name, instance.address or "in-process"
         )
 
     async def remove_worker(self, instance_id: str) -> None:
-        name = self._worker_model.pop(instance_id, None)
-        if name is None:
+        instance = self._workers.pop(instance_id, None)
+        if instance is None or instance.card is None:
             return
+        name = instance.card.name
         entry = self.models[name]
         entry.workers.pop(instance_id, None)
         entry.routing.router.remove_worker(instance_id)
@@ -129,7 +132,7 @@ class ModelRegistry:
         for entry in list(self.models.values()):
             await entry.routing.close()
         self.models.clear()
-        self._worker_model.clear()
+        self._workers.clear()
 
     def _fetcher(self, model: str) -> Callable[[str], Awaitable[KvSnapshot]]:
         async def fetch_snapshot(worker_id: str) -> KvSnapshot:

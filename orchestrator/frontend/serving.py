@@ -16,6 +16,7 @@ from orchestrator.frontend.errors import InvalidRequest
 from orchestrator.frontend.formatters import ChatFormatter, ChoiceResult, CompletionFormatter, Formatter
 from orchestrator.frontend.metrics import Metrics
 from orchestrator.frontend.params import (
+    check_token_ids,
     guided_spec,
     per_choice,
     resolve_max_tokens,
@@ -103,6 +104,7 @@ class Serving:
         if len(prompts) * req.n > MAX_CHOICES:
             raise InvalidRequest(f"at most {MAX_CHOICES} choices (prompts x n) per request", param="n")
         card = entry.card
+        check_token_ids(req, pre.vocab_size)
         sampling = sampling_options(req)
         guided = guided_spec(req)
         stop_ids = list(req.stop_token_ids or ()) + ([] if req.ignore_eos else pre.eos_token_ids)

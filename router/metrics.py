@@ -1,24 +1,55 @@
-"""Prometheus metrics of the router. Created once per process (prometheus' registry is
-process-wide); routers label nothing per worker, so the series count stays fixed."""
+"""Prometheus metrics of the router.
+
+One `RouterMetrics` per registry: the frontend passes its app's registry so the series
+appear on its /metrics; standalone uses (replay, benchmarks) share one on prometheus'
+default registry. Series carry the model and mode, never a worker (their count stays fixed).
+"""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from functools import cache
 
-DECISIONS = Counter("weir_router_decisions_total", "Requests routed", ["mode"])
-DECISION_SECONDS = Histogram(
-    "weir_router_decision_seconds",
-    "Time to pick a worker (index lookup, cost model, bookkeeping)",
-    buckets=(10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 5e-3, 25e-3),
-)
-PROMPT_BLOCKS = Counter("weir_router_prompt_blocks_total", "Full prompt blocks of routed requests")
-CHOSEN_OVERLAP_BLOCKS = Counter(
-    "weir_router_chosen_overlap_blocks_total",
-    "Prompt blocks cached on the chosen worker; over prompt blocks, the predicted hit rate",
-)
-BEST_OVERLAP_BLOCKS = Counter(
-    "weir_router_best_overlap_blocks_total",
-    "Prompt blocks cached on the best-matching worker; the hit rate routing by cache alone would get",
-)
-KV_EVENTS = Counter("weir_router_kv_events_applied_total", "KV events applied to the index")
-RESYNCS = Counter("weir_router_resyncs_total", "Worker snapshots fetched to repair a gap or join", ["reason"])
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        r = registry
+        labels = ["model", "mode"]
+        self.decisions = Counter("weir_router_decisions", "Requests routed", labels, registry=r)
+        self.decision_seconds = Histogram(
+            "weir_router_decision_seconds",
+            "Time to pick a worker (index lookup, cost model, bookkeeping)",
+            labels,
+            buckets=(10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 5e-3, 25e-3),
+            registry=r,
+        )
+        self.prompt_blocks = Counter(
+            "weir_router_prompt_blocks", "Full prompt blocks of routed requests", labels, registry=r
+        )
+        self.chosen_overlap_blocks = Counter(
+            "weir_router_chosen_overlap_blocks",
+            "Prompt blocks cached on the chosen worker; over prompt blocks, the predicted hit rate",
+            labels,
+            registry=r,
+        )
+        self.best_overlap_blocks = Counter(
+            "weir_router_best_overlap_blocks",
+            "Prompt blocks cached on the best-matching worker; the hit rate routing by cache alone would get",
+            labels,
+            registry=r,
+        )
+        self.kv_events = Counter(
+            "weir_router_kv_events_applied", "KV events applied to the index", ["model"], registry=r
+        )
+        self.resyncs = Counter(
+            "weir_router_resyncs",
+            "Worker snapshots applied, after a gap or on join",
+            ["model", "reason"],
+            registry=r,
+        )
+
+
+@cache
+def default_metrics() -> RouterMetrics:
+    return RouterMetrics()

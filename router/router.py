@@ -16,11 +16,11 @@ from collections.abc import Callable
 from typing import Any
 
 from orchestrator.runtime.protocol import KvEventBatch, KvSnapshot, LoadReport
-from router import metrics
 from router.approx import ApproxIndexer
 from router.cost import CostParams
 from router.indexer import KvIndexer
 from router.load import LoadTracker
+from router.metrics import RouterMetrics, default_metrics
 from router.policies.base import Policy
 from router.policies.direct import DirectPolicy
 from router.policies.kv import KvPolicy, OverlapIndex
@@ -65,16 +65,30 @@ def make_router(
     approx_max_blocks: int = 1_000_000,
     seed: int | None = None,
     router_id: str | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    model: str = "",
+    metrics: RouterMetrics | None = None,
     **cost_params: Any,
 ) -> Router:
     """A router for `mode`. In `kv` mode, `kv_events=False` predicts caches from decisions
-    (`ApproxIndexer`); `cost_params` are `CostParams` fields (overlap_weight, temperature, ...)."""
+    (`ApproxIndexer`); `cost_params` are `CostParams` fields (overlap_weight, temperature, ...).
+    `clock` (seconds) times prediction and replica-load expiry: trace replay passes virtual time.
+    `metrics` defaults to series on prometheus' default registry, labelled with `model`."""
     index: KvIndexer | ApproxIndexer | None = None
     if mode == "kv":
-        index = KvIndexer() if kv_events else ApproxIndexer(approx_ttl_s, approx_max_blocks)
+        index = KvIndexer() if kv_events else ApproxIndexer(approx_ttl_s, approx_max_blocks, clock)
     params = CostParams(**cost_params)
     policy = make_policy(mode, index=index, block_size=block_size, params=params, seed=seed)
-    return Router(policy, block_size=block_size, index=index, router_id=router_id, mode=mode)
+    return Router(
+        policy,
+        block_size=block_size,
+        index=index,
+        router_id=router_id,
+        mode=mode,
+        clock=clock,
+        model=model,
+        metrics=metrics,
+    )
 
 
 class Router:
@@ -86,16 +100,28 @@ class Router:
         index: KvIndexer | ApproxIndexer | None = None,
         router_id: str | None = None,
         mode: str = "custom",
+        clock: Callable[[], float] = time.monotonic,
+        model: str = "",
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self.policy = policy
         self.index = index
         self.mode = mode
         self.block_size = block_size
-        self.loads = LoadTracker(router_id or uuid.uuid4().hex, block_size)
+        self.loads = LoadTracker(router_id or uuid.uuid4().hex, block_size, clock=clock)
         self.workers = self.loads.workers
         # Set by the subscriber to share in-flight load with replica routers.
         self.on_inflight: Callable[[InflightUpdate], None] | None = None
-        self._decisions = metrics.DECISIONS.labels(mode)
+        m = metrics or default_metrics()
+        self.metrics = m
+        self.model = model
+        # children resolved once: label lookups cost more than the increments
+        self._decisions = m.decisions.labels(model, mode)
+        self._decision_seconds = m.decision_seconds.labels(model, mode)
+        self._prompt_blocks = m.prompt_blocks.labels(model, mode)
+        self._chosen_overlap = m.chosen_overlap_blocks.labels(model, mode)
+        self._best_overlap = m.best_overlap_blocks.labels(model, mode)
+        self._kv_events = m.kv_events.labels(model)
 
     # ------------------------------------------------------------------ workers
 
@@ -129,10 +155,10 @@ class Router:
         if self.on_inflight is not None:
             self.on_inflight(update)
         self._decisions.inc()
-        metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
-        metrics.PROMPT_BLOCKS.inc(len(request.block_hashes))
-        metrics.CHOSEN_OVERLAP_BLOCKS.inc(decision.overlap_blocks)
-        metrics.BEST_OVERLAP_BLOCKS.inc(decision.best_overlap_blocks)
+        self._decision_seconds.observe(time.perf_counter() - started)
+        self._prompt_blocks.inc(len(request.block_hashes))
+        self._chosen_overlap.inc(decision.overlap_blocks)
+        self._best_overlap.inc(decision.best_overlap_blocks)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "route %s -> %s overlap=%d/%d best=%d cost=%.1f",
@@ -162,7 +188,7 @@ class Router:
             return False  # not (or no longer) in discovery: a late event from a dead worker
         before = self.index.events_applied
         gap = self.index.apply_batch(batch)
-        metrics.KV_EVENTS.inc(self.index.events_applied - before)
+        self._kv_events.inc(self.index.events_applied - before)
         return gap
 
     def apply_kv_snapshot(self, snapshot: KvSnapshot) -> bool:

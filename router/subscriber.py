@@ -25,7 +25,6 @@ import msgspec
 from orchestrator.runtime.events import EventPlane
 from orchestrator.runtime.events.base import Subscription
 from orchestrator.runtime.protocol import KvEventBatch, KvSnapshot, LoadReport, subject
-from router import metrics
 from router.indexer import KvIndexer
 from router.protocols import InflightUpdate
 from router.router import Router
@@ -151,7 +150,7 @@ class RouterSubscriber:
         self._retry_at.pop(worker_id, None)
         if snapshot.worker_id != worker_id:  # engines leave the id to their host
             snapshot = msgspec.structs.replace(snapshot, worker_id=worker_id)
-        metrics.RESYNCS.labels(reason).inc()
+        self.router.metrics.resyncs.labels(self.router.model, reason).inc()
         if self.router.apply_kv_snapshot(snapshot):
             self._wake.set()  # batches after the snapshot still have a gap: fetch again
         log.info("resynced %s from its snapshot at event %d (%s)", worker_id, snapshot.event_id, reason)

@@ -31,6 +31,16 @@ from router.router import Router
 _ARRIVAL, _STEP_DONE, _KV_EVENTS = 0, 1, 2
 
 
+class VirtualClock:
+    """The simulation's time in seconds, for the router's TTLs (`make_router(clock=...)`)."""
+
+    def __init__(self) -> None:
+        self.now_ms = 0.0
+
+    def __call__(self) -> float:
+        return self.now_ms / 1e3
+
+
 @dataclass(slots=True)
 class _Worker:
     worker_id: str
@@ -46,6 +56,7 @@ class OfflineReplay:
         num_workers: int,
         tokens: TraceTokens,
         kv_event_delay_ms: float = 0.0,
+        clock: VirtualClock | None = None,
     ) -> None:
         if num_workers <= 0:
             raise ValueError("num_workers must be positive")
@@ -53,6 +64,7 @@ class OfflineReplay:
         self.config = config
         self.tokens = tokens
         self.kv_event_delay_ms = kv_event_delay_ms
+        self.clock = clock or VirtualClock()
         self.workers = [_Worker(f"mocker-{i}", MockerCore(config)) for i in range(num_workers)]
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = count()
@@ -68,6 +80,7 @@ class OfflineReplay:
             self._push(request.timestamp_ms - start, _ARRIVAL, request)
         while self._events:
             now, _, kind, payload = heapq.heappop(self._events)
+            self.clock.now_ms = now
             if kind == _ARRIVAL:
                 assert isinstance(payload, TraceRequest)
                 self._arrive(now, payload)

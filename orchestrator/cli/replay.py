@@ -86,15 +86,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _offline(args: argparse.Namespace, trace: list[TraceRequest], tokens: TraceTokens) -> list[RequestRecord]:
     from backends.mocker.config import MockerConfig
-    from backends.mocker.replay import OfflineReplay
+    from backends.mocker.replay import OfflineReplay, VirtualClock
     from router.router import make_router
 
     params = {"overlap_weight": args.overlap_weight, "temperature": args.temperature}
+    clock = VirtualClock()
     router = make_router(
         args.router,
         args.block_size,
         kv_events=not args.no_kv_events,
         seed=args.seed,
+        clock=clock,
         **{k: v for k, v in params.items() if v is not None},
     )
     longest = max(r.input_length + r.output_length for r in trace)
@@ -104,4 +106,4 @@ def _offline(args: argparse.Namespace, trace: list[TraceRequest], tokens: TraceT
         vocab_size=args.vocab_size,
         context_length=max(longest, MockerConfig().context_length),
     )
-    return OfflineReplay(router, config, args.workers, tokens, args.kv_event_delay_ms).run(trace)
+    return OfflineReplay(router, config, args.workers, tokens, args.kv_event_delay_ms, clock).run(trace)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from orchestrator.runtime.hashing import block_hashes
 from orchestrator.runtime.protocol import BlockStored, KvEventBatch, KvSnapshot, LoadReport
 from router.approx import ApproxIndexer
 from router.cost import CostParams
 from router.load import LoadTracker
+from router.metrics import RouterMetrics
 from router.policies.kv import KvPolicy
 from router.protocols import InflightUpdate, NoWorkerAvailable, RouteRequest
 from router.router import Router, make_policy, make_router
@@ -180,3 +182,20 @@ def test_workers_whose_cache_is_unknown_wait_for_their_snapshot() -> None:
     assert {router.select(req(f"x{i}", [1] * 4)).worker_id for i in range(4)} == {"w0"}
     router.apply_kv_batch(KvEventBatch(worker_id="w1", event_id=1, events=[]))  # a fresh worker
     assert router.select(req("y", [1] * 4)).worker_id == "w1"  # routable again, and the least loaded
+
+
+def test_metrics_land_in_the_given_registry() -> None:
+    registry = CollectorRegistry()
+    router = make_router("kv", BS, seed=0, model="m", metrics=RouterMetrics(registry))
+    router.add_worker("w0")
+    prefix = list(range(16))
+    router.apply_kv_batch(
+        KvEventBatch(worker_id="w0", event_id=1, events=[BlockStored(blocks=block_hashes(prefix, BS))])
+    )
+    router.select(req("a", [*prefix, 1, 2, 3, 4]))
+    value = registry.get_sample_value
+    assert value("weir_router_decisions_total", {"model": "m", "mode": "kv"}) == 1
+    assert value("weir_router_prompt_blocks_total", {"model": "m", "mode": "kv"}) == 5
+    assert value("weir_router_chosen_overlap_blocks_total", {"model": "m", "mode": "kv"}) == 4
+    assert value("weir_router_kv_events_applied_total", {"model": "m"}) == 1
+    assert value("weir_router_decision_seconds_count", {"model": "m", "mode": "kv"}) == 1

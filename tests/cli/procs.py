@@ -62,3 +62,16 @@ def wait_healthy(base_url: str, proc: subprocess.Popen[bytes], log: Path, timeou
 def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
     proc.send_signal(sig)
     return proc.wait(timeout=timeout)
+
+
+def wait_banner(proc: subprocess.Popen[bytes], log: Path, timeout: float = 180.0) -> str:
+    """The URL from the one line `weir serve`/`weir frontend` print once listening (--port 0)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in log.read_text().splitlines():
+            if " on http://" in line:
+                return line.rsplit(" on ", 1)[1].split()[0]
+        if proc.poll() is not None:
+            raise RuntimeError(f"weir exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        time.sleep(0.1)
+    raise TimeoutError(f"no listening line after {timeout}s:\n{log.read_text()[-3000:]}")

@@ -10,8 +10,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from backends.registry import DEFAULT_MODEL
-from tests.cli.procs import stop, wait_healthy, weir_process
+from backends.registry import DEFAULT_BACKEND, DEFAULT_MODEL
+from tests.cli.procs import stop, wait_banner, wait_healthy, weir_process
 from tests.servers import free_port
 
 # Mocker workers with near-zero step time: these tests are about the CLI and the HTTP surface.
@@ -111,3 +111,22 @@ def test_signal_stops_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
         assert stop(proc, sig) == 0
     output = log.read_text()
     assert "Traceback" not in output, output
+
+
+@pytest.mark.slow
+def test_default_serve_answers_with_deepinfer(tmp_path: Path) -> None:
+    """No flags but --port 0: the default backend (DeepInfer) on the default model, SmolLM2."""
+    log = tmp_path / "serve.log"
+    with weir_process("serve", "--port", "0", log=log) as proc:
+        base_url = wait_banner(proc, log)
+        assert f"weir serving {DEFAULT_MODEL} (1 {DEFAULT_BACKEND} worker) on {base_url}" in log.read_text()
+        wait_healthy(base_url, proc, log)
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(
+            model=DEFAULT_MODEL,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=24,
+            temperature=0,
+        )
+        assert "Paris" in (reply.choices[0].message.content or "")
+        assert stop(proc, signal.SIGTERM) == 0

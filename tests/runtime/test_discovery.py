@@ -160,3 +160,19 @@ async def test_sigkilled_worker_disappears_within_its_ttl(etcd_url: str) -> None
         proc.kill()
         proc.wait()
         await observer.close()
+
+
+async def test_close_ends_open_watches(discovery: Discovery) -> None:
+    await discovery.register(worker("a"))
+    seen: list[str] = []
+
+    async def follow() -> None:
+        async for event in discovery.watch("worker"):
+            seen.append(event.instance.instance_id)
+
+    task = asyncio.create_task(follow())
+    while not seen:
+        await asyncio.sleep(0.01)
+    await discovery.close()
+    await asyncio.wait_for(task, 5)  # ends, without raising
+    assert seen[0] == "a"

@@ -138,11 +138,14 @@ class EtcdDiscovery(Discovery):
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _RETRY_MAX_S)
             finally:
-                if watch is not None:
+                # After close() the client has dropped its watcher: nothing left to cancel.
+                if watch is not None and not self._closed:
                     with contextlib.suppress(aetcd.ClientError):
                         await watch.cancel()
 
     async def close(self) -> None:
+        if self._closed:
+            return
         self._closed = True
         if self._keepalive is not None:
             self._keepalive.cancel()

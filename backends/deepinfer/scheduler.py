@@ -107,7 +107,7 @@ class Scheduler:
         while i < len(running) and budget > 0:
             seq = running[i]
             start, total = seq.num_computed_tokens, len(seq.token_ids)
-            n = min(total - start, budget)
+            n = total - start if total - start < budget else budget
             # Most decode steps fit in the last block's free slots: nothing to allocate.
             if start + n > len(seq.block_table) * block_size:
                 if not self._make_room(seq, n, out):
@@ -158,11 +158,11 @@ class Scheduler:
         results: list[SeqOutput] = []
         tokens = iter(sampled)
         any_finished = False
-        bm, block_size = self.block_manager, self.block_size
+        bm, block_size, running = self.block_manager, self.block_size, SequenceStatus.RUNNING
         for chunk in out.chunks:
             seq = chunk.seq
             token = next(tokens) if chunk.sample else None
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # aborted while the step ran
             seq.num_computed_tokens += chunk.num_tokens
             if seq.num_computed_tokens >= (seq.num_registered_blocks + 1) * block_size:

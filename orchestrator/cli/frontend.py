@@ -21,8 +21,9 @@ from orchestrator.cli.options import (
     setup_logging,
 )
 from orchestrator.frontend.config import ROUTER_MODES, FrontendConfig
-from orchestrator.runtime.discovery import Discovery
-from orchestrator.runtime.events import EventPlane
+from orchestrator.frontend.server import create_app, uvicorn_config
+from orchestrator.runtime.discovery import Discovery, make_discovery
+from orchestrator.runtime.events import EventPlane, make_event_plane
 from orchestrator.runtime.request_plane import LocalWorkerClient
 
 _DEFAULTS = FrontendConfig()
@@ -123,9 +124,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(config: FrontendConfig, args: argparse.Namespace, stop: asyncio.Event) -> None:
-    from orchestrator.runtime.discovery import make_discovery
-    from orchestrator.runtime.events import make_event_plane
-
     discovery = make_discovery(args.etcd, args.namespace)
     events = make_event_plane(args.nats)
     try:
@@ -150,8 +148,6 @@ async def serve_http(
 ) -> None:
     """Serve HTTP until SIGINT/SIGTERM or `stop` (uvicorn drains open requests first), printing
     one line once the socket is bound: with --port 0 the line is how a caller learns the port."""
-    from orchestrator.frontend.server import create_app, uvicorn_config
-
     server = uvicorn.Server(uvicorn_config(create_app(config, discovery, events, local_workers), config))
     serving = asyncio.create_task(server.serve())
     while not server.started and not serving.done():

@@ -76,14 +76,20 @@ def run_until_stopped(main: Callable[[asyncio.Event], Awaitable[None]]) -> int:
 
     The handlers are installed with `signal.signal`, not the loop's: uvicorn swaps in its own
     handlers while it serves and re-raises the signals it caught when it returns, which then
-    land here and let the command shut its workers down cleanly instead of dying mid-cleanup."""
+    land here and let the command shut its workers down cleanly instead of dying mid-cleanup.
+    A second signal exits at once."""
     import uvloop
 
     async def runner() -> None:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
 
+        received: list[int] = []
+
         def on_signal(signum: int, frame: FrameType | None) -> None:
+            received.append(signum)
+            if len(received) > 1:  # asked again while shutting down: the user insists
+                os._exit(128 + signum)
             loop.call_soon_threadsafe(stop.set)
 
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,4 +1,7 @@
-"""`weir --help` and every subcommand's --help work and document their environment variables."""
+"""`weir --help` and every subcommand's --help work and document their environment variables.
+
+One test runs the real entry point in a subprocess; the rest parse in-process (the same
+`main()`), which keeps the suite fast."""
 
 from __future__ import annotations
 
@@ -6,8 +9,15 @@ import importlib.util
 
 import pytest
 
-from orchestrator.cli.main import COMMANDS
+from orchestrator.cli.main import COMMANDS, main
 from tests.cli.procs import weir
+
+
+def help_text(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--help"])
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
 
 
 def test_top_level_help_lists_every_command() -> None:
@@ -17,20 +27,17 @@ def test_top_level_help_lists_every_command() -> None:
         assert name in result.stdout
 
 
-def test_no_command_prints_help_and_fails() -> None:
-    result = weir()
-    assert result.returncode == 2
-    assert "serve" in result.stdout
+def test_no_command_prints_help_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "serve" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_subcommand_help(command: str) -> None:
+def test_subcommand_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     module = COMMANDS[command][0]
     if importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} is not in this tree yet")
-    result = weir(command, "--help")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith(f"usage: weir {command}")
+    assert help_text(capsys, command).startswith(f"usage: weir {command}")
 
 
 @pytest.mark.parametrize(
@@ -44,20 +51,30 @@ def test_subcommand_help(command: str) -> None:
         ("worker", ["WEIR_BACKEND", "WEIR_MODEL", "WEIR_ROLE", "WEIR_ETCD", "WEIR_NATS", "WEIR_LEASE_TTL"]),
     ],
 )
-def test_serving_commands_document_their_environment(command: str, variables: list[str]) -> None:
-    # argparse wraps help text, so compare without line breaks.
-    text = " ".join(weir(command, "--help").stdout.split())
+def test_serving_commands_document_their_environment(
+    command: str, variables: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = " ".join(help_text(capsys, command).split())  # argparse wraps lines
     for variable in variables:
         assert f"env {variable}" in text, f"{command} --help does not mention {variable}"
 
 
-def test_bad_flag_value_is_a_usage_error() -> None:
-    result = weir("serve", "--backend", "nope")
-    assert result.returncode == 2
-    assert "invalid choice" in result.stderr
+def test_environment_sets_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    from orchestrator.cli.main import build_parser
+
+    monkeypatch.setenv("WEIR_ETCD", "http://etcd.example:2379")
+    monkeypatch.setenv("WEIR_LEASE_TTL", "3.5")
+    args = build_parser(only="worker").parse_args(["worker", "--nats", "nats://flag:4222"])
+    assert (args.etcd, args.lease_ttl, args.nats) == ("http://etcd.example:2379", 3.5, "nats://flag:4222")
 
 
-def test_missing_model_directory_is_a_clear_error() -> None:
-    result = weir("serve", "--backend", "mocker", "--model", "/nonexistent/model")
-    assert result.returncode == 2
-    assert "neither a directory" in result.stderr
+def test_bad_flag_value_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--backend", "nope"])
+    assert exit_info.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_missing_model_directory_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--backend", "mocker", "--model", "/nonexistent/model"]) == 2
+    assert "neither a directory" in capsys.readouterr().err

@@ -13,7 +13,7 @@ lower-tier events, and the common device-only path never touches it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from orchestrator.runtime.protocol import Tier
@@ -95,16 +95,16 @@ class BlockIndex:
 
     # ------------------------------------------------------------------ blocks
 
-    def store(self, worker_id: str, blocks: Iterable[int], tier: Tier = "device") -> None:
+    def store(self, worker_id: str, blocks: Collection[int], tier: Tier = "device") -> None:
         self.add_worker(worker_id)
         worker = self._workers[worker_id]
         if tier == "device" and worker.lower_count == 0:
             bit = 1 << worker.slot
             any_ = self._any
-            held = worker.tiers["device"]
+            get = any_.get
             for seq_hash in blocks:
-                any_[seq_hash] = any_.get(seq_hash, 0) | bit
-                held.add(seq_hash)
+                any_[seq_hash] = get(seq_hash, 0) | bit
+            worker.tiers["device"].update(blocks)
             return
         for seq_hash in blocks:
             held = worker.tiers[tier]
@@ -113,7 +113,7 @@ class BlockIndex:
                 worker.lower_count += tier != "device"
             self._refresh(worker, seq_hash)
 
-    def remove(self, worker_id: str, blocks: Iterable[int], tier: Tier = "device") -> None:
+    def remove(self, worker_id: str, blocks: Collection[int], tier: Tier = "device") -> None:
         worker = self._workers.get(worker_id)
         if worker is None:
             return

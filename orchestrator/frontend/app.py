@@ -23,7 +23,13 @@ from starlette.routing import Route
 
 from orchestrator.frontend.asgi import DONE_EVENT, ClientGone, Exchange, Receive, Scope, Send, read_body
 from orchestrator.frontend.config import FrontendConfig
-from orchestrator.frontend.errors import FrontendError, InvalidRequest, error_body, to_frontend_error
+from orchestrator.frontend.errors import (
+    BodyTimeout,
+    FrontendError,
+    InvalidRequest,
+    error_body,
+    to_frontend_error,
+)
 from orchestrator.frontend.metrics import Metrics
 from orchestrator.frontend.registry import ClientFactory, ModelRegistry
 from orchestrator.frontend.responses import ModelInfo, ModelList
@@ -60,7 +66,12 @@ class GenerationRoute:
         ex = Exchange(send)
         self.inflight.inc()
         try:
-            body = await read_body(scope, receive, self.state.config.max_body_bytes)
+            config = self.state.config
+            try:
+                async with asyncio.timeout(config.request_timeout_s):  # no trickled bodies forever
+                    body = await read_body(scope, receive, config.max_body_bytes)
+            except TimeoutError:
+                raise BodyTimeout from None
             ex.watch_disconnect(receive)
             await self.handler(body, ex)
         except asyncio.CancelledError:

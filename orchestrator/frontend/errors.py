@@ -46,6 +46,13 @@ class BodyTooLarge(FrontendError):
         super().__init__(f"Request body exceeds {limit} bytes.", code="request_too_large")
 
 
+class BodyTimeout(FrontendError):
+    status = 408
+
+    def __init__(self) -> None:
+        super().__init__("The request body did not arrive in time.", code="request_timeout")
+
+
 class Unavailable(FrontendError):
     status = 503
     type = "service_unavailable_error"

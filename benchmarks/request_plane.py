@@ -118,6 +118,8 @@ def main() -> None:
         "concurrency": args.concurrency,
         "deltas": deltas,
         "deltas_per_s": round(deltas / elapsed),
+        # Every call is one Call frame out, its deltas as Data frames, and one End frame back.
+        "frames_per_s": round((deltas + 2 * args.requests) / elapsed),
         "requests_per_s": round(args.requests / elapsed, 1),
         "caller_cpu_us_per_delta": round(client_cpu / deltas * 1e6, 2),
         "caller_cpu_us_per_request": round(client_cpu / args.requests * 1e6, 1),

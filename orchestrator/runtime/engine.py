@@ -10,7 +10,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from orchestrator.runtime.protocol import KvEventBatch, KvSnapshot, LoadReport, ModelCard, TokenDelta, WorkerRequest
+from orchestrator.runtime.protocol import (
+    KvEventBatch,
+    KvSnapshot,
+    LoadReport,
+    ModelCard,
+    TokenDelta,
+    WorkerRequest,
+)
 
 
 class EngineError(Exception):

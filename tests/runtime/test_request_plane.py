@@ -204,3 +204,12 @@ async def test_malformed_frames_do_not_crash_the_server(server: RequestPlaneServ
     client = RequestPlaneClient()
     assert [c async for c in client.stream(address(server), "count", b"y:1")] == [b"y:0"]
     await client.close()
+
+
+async def test_a_caller_that_disconnects_cancels_its_handlers(server: RequestPlaneServer) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(encode_frame(Call(1, "forever", b"")))
+    await writer.drain()
+    assert isinstance(await read_frame(reader), Data)
+    writer.close()
+    await asyncio.wait_for(server.forever.cleaned_up.wait(), 2.0)  # type: ignore[attr-defined]

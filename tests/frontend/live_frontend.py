@@ -22,8 +22,10 @@ from orchestrator.frontend.config import FrontendConfig
 from orchestrator.frontend.server import create_app, uvicorn_config
 from orchestrator.runtime.discovery import MemoryDiscovery
 from orchestrator.runtime.engine import Engine
+from orchestrator.runtime.events import MemoryEventPlane
 from orchestrator.runtime.protocol import Instance
 from orchestrator.runtime.request_plane import LocalWorkerClient
+from orchestrator.runtime.worker_host import WorkerHost
 from tests.servers import free_port
 
 T = TypeVar("T")
@@ -36,6 +38,7 @@ class LiveFrontend:
     loop: asyncio.AbstractEventLoop
     discovery: MemoryDiscovery
     engines: dict[str, Engine]
+    hosts: dict[str, WorkerHost]  # tcp=True only
     server: uvicorn.Server
     thread: threading.Thread = field(repr=False)
 
@@ -63,9 +66,13 @@ def live_frontend(
     num_workers: int = 2,
     speedup: float = 1000.0,
     engine_factory: Callable[[], Engine] | None = None,
+    tcp: bool = False,
     **config: Any,
 ) -> Iterator[LiveFrontend]:
-    """Mocker workers by default; `engine_factory` serves any other engine instead."""
+    """Mocker workers by default; `engine_factory` serves any other engine instead.
+
+    In-process calls by default; with `tcp`, each engine sits behind a `WorkerHost` on the TCP
+    request plane and publishes KV events and load reports on an in-process event plane."""
     make_engine = engine_factory or mocker_factory(model_dir, speedup)
     port = free_port()
     frontend_config = FrontendConfig(port=port, **config)
@@ -73,26 +80,41 @@ def live_frontend(
     ready = threading.Event()
 
     async def main() -> None:
-        discovery = MemoryDiscovery()
+        namespace = frontend_config.namespace
+        discovery = MemoryDiscovery(namespace)
+        events = MemoryEventPlane()
         engines = {f"worker-{i}": make_engine() for i in range(num_workers)}
-        for engine in engines.values():
-            await engine.start()
-        local = {worker_id: LocalWorkerClient(engine) for worker_id, engine in engines.items()}
-        server = uvicorn.Server(
-            uvicorn_config(create_app(frontend_config, discovery, None, local), frontend_config)
+        hosts: dict[str, WorkerHost] = {}
+        local: dict[str, LocalWorkerClient] = {}
+        if tcp:
+            for worker_id, engine in engines.items():
+                hosts[worker_id] = WorkerHost(engine, discovery, events, namespace, instance_id=worker_id)
+        else:
+            for worker_id, engine in engines.items():
+                await engine.start()
+                local[worker_id] = LocalWorkerClient(engine)
+        app = create_app(frontend_config, discovery, events if tcp else None, local)
+        server = uvicorn.Server(uvicorn_config(app, frontend_config))
+        started.update(
+            loop=asyncio.get_running_loop(), discovery=discovery, engines=engines, hosts=hosts, server=server
         )
-        started.update(loop=asyncio.get_running_loop(), discovery=discovery, engines=engines, server=server)
         serving = asyncio.create_task(server.serve())
         # Announced after the app is up, so the frontend learns them through its discovery watch.
-        for worker_id, engine in engines.items():
-            await discovery.register(Instance(instance_id=worker_id, component="worker", card=engine.card))
+        for host in hosts.values():
+            await host.start()  # registers itself
+        for worker_id in local:
+            card = engines[worker_id].card
+            await discovery.register(Instance(instance_id=worker_id, component="worker", card=card))
         ready.set()
         try:
             await serving
         finally:
-            for engine in engines.values():
-                await engine.stop()
+            for host in hosts.values():
+                await host.stop()
+            for worker_id in local:
+                await engines[worker_id].stop()
             await discovery.close()
+            await events.close()
 
     thread = threading.Thread(target=uvloop.run, args=(main(),), name="live-frontend", daemon=True)
     thread.start()

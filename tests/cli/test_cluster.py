@@ -143,3 +143,44 @@ def test_killed_worker_stops_receiving_requests_within_lease_ttl(
 
     procs["frontend"].send_signal(signal.SIGTERM)
     assert procs["frontend"].wait(timeout=20) == 0
+
+
+def test_deepinfer_worker_serves_in_cluster_mode(etcd_url: str, nats_url: str, tmp_path: Path) -> None:
+    """`weir worker --backend deepinfer` on a tiny local checkpoint, behind `weir frontend`."""
+    from backends.deepinfer.tiny import build_checkpoint
+
+    model = build_checkpoint(tmp_path / "tiny-llama", "llama")
+    planes = ["--etcd", etcd_url, "--nats", nats_url, "--namespace", f"deepinfer-{time.monotonic_ns()}"]
+    port = free_port()
+    with (
+        weir_process(
+            "worker",
+            "--backend",
+            "deepinfer",
+            "--model",
+            str(model),
+            "--served-model-name",
+            "tiny",
+            "--device",
+            "cpu",
+            "--num-kv-blocks",
+            "64",
+            *planes,
+            log=tmp_path / "worker.log",
+        ) as worker,
+        weir_process("frontend", *planes, "--port", str(port), log=tmp_path / "frontend.log") as frontend,
+    ):
+        base_url = f"http://127.0.0.1:{port}"
+        wait_healthy(base_url, frontend, tmp_path / "frontend.log")
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=6,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert reply.usage is not None and reply.usage.completion_tokens == 6
+        assert "deepinfer serving tiny as aggregated" in (tmp_path / "worker.log").read_text()
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=30) == 0

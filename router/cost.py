@@ -20,6 +20,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from router.protocols import WorkerLoad
+
 
 @dataclass(frozen=True, slots=True)
 class CostParams:
@@ -56,10 +58,15 @@ def costs(
     ]
 
 
-def is_busy(blocks: int, total_blocks: int, waiting_requests: int, params: CostParams) -> bool:
-    if total_blocks and blocks > params.busy_kv_fraction * total_blocks:
-        return True
-    return 0 < params.busy_waiting_requests < waiting_requests
+def busy(loads: Sequence[WorkerLoad], params: CostParams) -> list[bool]:
+    """Per worker: above the KV-use fraction of its reported capacity (none reported: never),
+    or with more waiting requests than `busy_waiting_requests` (when that is > 0)."""
+    fraction, waiting = params.busy_kv_fraction, params.busy_waiting_requests
+    return [
+        bool(load.total_blocks and load.blocks > fraction * load.total_blocks)
+        or 0 < waiting < load.waiting_requests
+        for load in loads
+    ]
 
 
 def choose(costs: Sequence[float], loads: Sequence[int], temperature: float, rng: random.Random) -> int:

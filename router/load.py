@@ -10,6 +10,7 @@ replica that died without finishing its requests expires after `peer_ttl_s`.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,12 +46,12 @@ class LoadTracker:
         self._clock = clock
         self.workers: dict[str, WorkerLoad] = {}
         self._requests: dict[str, _Request] = {}
-        self._held: dict[str, dict[int, int]] = {}  # worker -> seq hash -> in-flight requests
+        self._held: dict[str, Counter[int]] = {}  # worker -> seq hash -> in-flight requests
         self._peers: dict[tuple[str, str], _PeerRequest] = {}
 
     def add_worker(self, worker_id: str, total_blocks: int = 0) -> WorkerLoad:
         load = self.workers.setdefault(worker_id, WorkerLoad(total_blocks=total_blocks))
-        self._held.setdefault(worker_id, {})
+        self._held.setdefault(worker_id, Counter())
         return load
 
     def remove_worker(self, worker_id: str) -> None:
@@ -70,6 +71,7 @@ class LoadTracker:
         load.active_blocks = report.active_blocks
         load.total_blocks = report.total_blocks or load.total_blocks
         load.draining = load.draining or report.draining
+        load.refresh()
 
     # ------------------------------------------------------------------ own requests
 
@@ -82,13 +84,12 @@ class LoadTracker:
         self._requests[request.request_id] = _Request(worker_id, hashes, tail)
         held = self._held[worker_id]
         load = self.workers[worker_id]
-        new = 0
-        for seq_hash in hashes:
-            n = held.get(seq_hash, 0)
-            held[seq_hash] = n + 1
-            new += n == 0
+        before = len(held)
+        held.update(hashes)  # counts in C; the blocks new to this worker are the growth
+        new = len(held) - before
         load.inflight_requests += 1
         load.inflight_blocks += new + tail
+        load.refresh()
         return InflightUpdate(
             router_id=self.router_id, worker_id=worker_id, request_id=request.request_id, blocks=new + tail
         )
@@ -112,6 +113,7 @@ class LoadTracker:
                 freed += 1
         load.inflight_requests -= 1
         load.inflight_blocks -= freed
+        load.refresh()
         return InflightUpdate(
             router_id=self.router_id, worker_id=worker_id, request_id=request_id, blocks=freed, done=True
         )
@@ -129,10 +131,12 @@ class LoadTracker:
             if peer is not None and load is not None:
                 load.inflight_requests -= 1
                 load.inflight_blocks -= peer.blocks
+                load.refresh()
         elif load is not None and key not in self._peers:
             self._peers[key] = _PeerRequest(update.worker_id, update.blocks, self._clock())
             load.inflight_requests += 1
             load.inflight_blocks += update.blocks
+            load.refresh()
 
     def _expire_peers(self) -> None:
         cutoff = self._clock() - self.peer_ttl_s
@@ -146,3 +150,4 @@ class LoadTracker:
             if load is not None:
                 load.inflight_requests -= 1
                 load.inflight_blocks -= peer.blocks
+                load.refresh()

@@ -39,16 +39,15 @@ class WorkerLoad:
     draining: bool = False
     inflight_requests: int = 0
     inflight_blocks: int = 0
+    # What the router acts on, kept by `refresh()` after every change (read per worker on
+    # every decision, so stored rather than computed). A report lags the router's own count;
+    # the router's count misses routers that share no load: the larger is the better guess.
+    requests: int = 0
+    blocks: int = 0
 
-    @property
-    def requests(self) -> int:
-        # A report lags the router's own count; the router's count misses other routers
-        # that share no load. The larger of the two is the better guess.
-        return max(self.inflight_requests, self.active_requests + self.waiting_requests)
-
-    @property
-    def blocks(self) -> int:
-        return max(self.inflight_blocks, self.active_blocks)
+    def refresh(self) -> None:
+        self.requests = max(self.inflight_requests, self.active_requests + self.waiting_requests)
+        self.blocks = max(self.inflight_blocks, self.active_blocks)
 
 
 class InflightUpdate(msgspec.Struct, kw_only=True):

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from router.block_index import Matches
-from router.cost import CostParams, cached_blocks, choose, costs, is_busy
+from router.cost import CostParams, busy, cached_blocks, choose, costs
 from router.protocols import Decision, RouteRequest, WorkerLoad
 
 
@@ -37,16 +37,12 @@ class KvPolicy:
         matches = self.index.find_matches(request.block_hashes)
         params = self.params
         pool = list(workers)
-        active = [load.blocks for load in workers.values()]
-        if any(load.total_blocks for load in workers.values()):
-            free = [
-                i
-                for i, (load, blocks) in enumerate(zip(workers.values(), active, strict=True))
-                if not is_busy(blocks, load.total_blocks, load.waiting_requests, params)
-            ]
-            if 0 < len(free) < len(pool):  # all busy: queue on the cheapest rather than fail
-                pool = [pool[i] for i in free]
-                active = [active[i] for i in free]
+        loads = list(workers.values())
+        saturated = busy(loads, params)
+        if any(saturated) and not all(saturated):  # all busy: queue on the cheapest, not fail
+            pool = [w for w, full in zip(pool, saturated, strict=True) if not full]
+            loads = [load for load, full in zip(loads, saturated, strict=True) if not full]
+        active = [load.blocks for load in loads]
         hits, lower = matches.blocks, matches.lower
         if lower:
             cached = [cached_blocks(hits.get(w, 0), lower.get(w, 0), params) for w in pool]

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from router.cost import CostParams, cached_blocks, choose, costs, is_busy
+from router.cost import CostParams, busy, cached_blocks, choose, costs
+from router.protocols import WorkerLoad
 
 
 def test_worked_example_cache_hit_beats_idle_worker_at_weight_one() -> None:
@@ -52,13 +53,18 @@ def test_temperature_samples_softmax_of_normalised_costs() -> None:
     assert uniform / n == pytest.approx(0.5, abs=0.015)
 
 
+def load(blocks: int, total: int, waiting: int = 0) -> WorkerLoad:
+    worker = WorkerLoad(active_blocks=blocks, total_blocks=total, waiting_requests=waiting)
+    worker.refresh()
+    return worker
+
+
 def test_busy_thresholds() -> None:
     params = CostParams(busy_kv_fraction=0.9, busy_waiting_requests=4)
-    assert not is_busy(90, 100, 0, params)
-    assert is_busy(91, 100, 0, params)
-    assert is_busy(0, 100, 5, params)
-    assert not is_busy(500, 0, 0, params)  # no capacity reported: never busy by blocks
-    assert not is_busy(0, 100, 99, CostParams())  # waiting threshold off by default
+    workers = [load(90, 100), load(91, 100), load(0, 100, waiting=5), load(500, 0)]
+    # the last reports no capacity: never busy by blocks
+    assert busy(workers, params) == [False, True, True, False]
+    assert busy([load(0, 100, waiting=99)], CostParams()) == [False]  # waiting threshold off by default
 
 
 def test_invalid_params_are_rejected() -> None:

@@ -22,12 +22,12 @@ _decode_load = msgspec.msgpack.Decoder(LoadReport).decode
 async def list_workers(discovery: Discovery, etcd: str) -> list[Instance]:
     try:
         workers = await asyncio.wait_for(discovery.list("worker"), ETCD_TIMEOUT_S)
-    except (TimeoutError, OSError) as exc:
+    except (TimeoutError, OSError, aetcd.ClientError) as exc:
         raise OperatorError(
-            f"etcd at {etcd} did not answer within {ETCD_TIMEOUT_S:.0f}s ({exc!r})", EXIT_UNREACHABLE
+            f"cannot read discovery from etcd at {etcd} ({type(exc).__name__}: {exc}). "
+            "From outside the cluster, port-forward etcd and pass --etcd http://127.0.0.1:PORT",
+            EXIT_UNREACHABLE,
         ) from exc
-    except aetcd.ClientError as exc:
-        raise OperatorError(f"cannot read discovery from etcd at {etcd}: {exc!r}", EXIT_UNREACHABLE) from exc
     return sorted(workers, key=lambda w: w.instance_id)
 
 

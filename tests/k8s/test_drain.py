@@ -140,7 +140,7 @@ async def test_drain_waits_for_the_stream_in_flight(etcd_url: str, cluster: tupl
             await asyncio.sleep(0.2)
 
         stream = await client.completions.create(
-            model="mock-model", prompt="hello " * 64, max_tokens=400, stream=True,
+            model="mock-model", prompt="hello " * 64, max_tokens=800, stream=True,
             extra_body={"ignore_eos": True},
         )  # fmt: skip
         tokens, finish, stream_ended = 0, None, 0.0
@@ -159,7 +159,11 @@ async def test_drain_waits_for_the_stream_in_flight(etcd_url: str, cluster: tupl
             sys.executable, "-m", "orchestrator.cli.main", *drain_argv(etcd_url, namespace, worker_id, 120),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )  # fmt: skip
-        out, err = await asyncio.wait_for(proc.communicate(), 150)
+        communicate = asyncio.create_task(proc.communicate())
+        while await discovery.get(drain_key(worker_id)) is None:
+            await asyncio.sleep(0.02)
+        assert not consumer.done(), "the stream ended before the drain was asked: nothing was tested"
+        out, err = await asyncio.wait_for(communicate, 150)
         drain_ended = time.monotonic()
         await consumer
         assert proc.returncode == 0, err.decode()

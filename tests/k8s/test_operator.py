@@ -307,7 +307,8 @@ def test_status_reports_unreachable_etcd_but_still_shows_pools(
     assert result.rc == 5
     status = json.loads(result.out)
     assert {p["name"] for p in status["pools"]} == {"prefill", "decode"}
-    assert "cannot read discovery from etcd" in result.err or "did not answer" in result.err
+    assert "cannot read discovery from etcd at http://127.0.0.1:" in result.err
+    assert "port-forward etcd and pass --etcd" in result.err
 
 
 async def test_drain_by_pod_name_marks_the_pod_for_scale_down(

@@ -95,7 +95,9 @@ class Preprocessor:
         """Token ids for `text`. Chat prompts carry BOS from their template, so pass
         add_special_tokens=False for them; a completion prompt that already begins with the
         BOS text does not get a second BOS from the tokenizer's post-processor."""
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode does not), so a long prompt encoded in a worker
+        # thread leaves the event loop serving other requests; for one short text it costs the same.
+        ids: list[int] = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if (
             add_special_tokens
             and self._bos_id is not None

@@ -17,6 +17,7 @@ from orchestrator.frontend.config import FrontendConfig
 from orchestrator.frontend.errors import ModelNotFound, Unavailable
 from orchestrator.frontend.metrics import Metrics, ModelMetrics
 from orchestrator.frontend.preprocessor import Preprocessor
+from orchestrator.frontend.prompts import max_prompt_chars
 from orchestrator.frontend.routing import ModelRouting, build_router
 from orchestrator.runtime.discovery import Discovery, DiscoveryEvent
 from orchestrator.runtime.events import EventPlane
@@ -38,6 +39,7 @@ class ModelEntry:
     routing: ModelRouting
     metrics: ModelMetrics
     preprocessor: Preprocessor | None
+    max_prompt_chars: int = 0  # longer prompt texts cannot fit the context (prompts.py)
     created: int = field(default_factory=lambda: int(time.time()))
     workers: dict[str, WorkerClient] = field(default_factory=dict)
 
@@ -145,11 +147,13 @@ class ModelRegistry:
         return fetch_snapshot
 
     async def _new_model(self, card: ModelCard) -> ModelEntry:
-        preprocessor = None
+        preprocessor, max_chars = None, 0
         if card.model_path:
             try:
                 preprocessor = await asyncio.to_thread(Preprocessor.load, card.model_path)
+                max_chars = await asyncio.to_thread(max_prompt_chars, preprocessor, card.context_length)
             except Exception:
                 log.exception("cannot load the tokenizer of %s from %s", card.name, card.model_path)
         routing = await build_router(self.config, card, self.events, self._fetcher(card.name))
-        return ModelEntry(card.name, card, routing, self.metrics.for_model(card.name), preprocessor)
+        metrics = self.metrics.for_model(card.name)
+        return ModelEntry(card.name, card, routing, metrics, preprocessor, max_chars)

@@ -9,7 +9,7 @@ import asyncio
 import time
 import uuid
 
-from orchestrator.frontend import pipeline
+from orchestrator.frontend import pipeline, prompts
 from orchestrator.frontend.asgi import DONE_EVENT, SSE_HEADERS, Exchange
 from orchestrator.frontend.config import FrontendConfig
 from orchestrator.frontend.errors import InvalidRequest
@@ -53,7 +53,7 @@ class Serving:
             prompt = pre.render_chat(messages, req.add_generation_prompt, **kwargs)
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
-        ids = pre.encode(prompt, add_special_tokens=False)
+        ids = await prompts.encode(pre, prompt, False, entry.max_prompt_chars, "messages")
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         job = self._job(entry, pre, req, [ids], max_tokens, "messages", logprobs)
@@ -73,11 +73,11 @@ class Serving:
         req = CompletionRequest.model_validate_json(body)
         entry = self.registry.get(req.model)
         pre = entry.require_preprocessor()
-        prompts = _prompt_ids(pre, req.prompt)
-        job = self._job(entry, pre, req, prompts, req.max_tokens, "prompt", req.logprobs)
+        token_ids = await prompts.completion_prompts(pre, req.prompt, entry.max_prompt_chars)
+        job = self._job(entry, pre, req, token_ids, req.max_tokens, "prompt", req.logprobs)
         echo = None
         if req.echo:
-            texts = [pre.decode(ids, skip_special_tokens=False) for ids in prompts]
+            texts = [pre.decode(ids, skip_special_tokens=False) for ids in token_ids]
             echo = [texts[i // req.n] for i in range(len(job.choices))]
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         fmt = CompletionFormatter(
@@ -170,19 +170,3 @@ async def _collect(job: pipeline.Job, outputs: pipeline.Outputs, fmt: Formatter,
     async for out in outputs:
         results[out.index].add(out)
     await ex.json(200, fmt.response(results, job.usage()))
-
-
-def _prompt_ids(pre: Preprocessor, prompt: str | list[int] | list[str] | list[list[int]]) -> list[list[int]]:
-    """A completion prompt in any of OpenAI's four shapes, as token id lists."""
-    if isinstance(prompt, str):
-        return [pre.encode(prompt, add_special_tokens=True)]
-    if all(isinstance(p, int) for p in prompt):
-        batch: list[list[int]] = [prompt]  # type: ignore[list-item]
-    elif all(isinstance(p, str) for p in prompt):
-        return [pre.encode(p, add_special_tokens=True) for p in prompt]  # type: ignore[arg-type]
-    else:
-        batch = prompt  # type: ignore[assignment]
-    for ids in batch:
-        if any(not 0 <= t < pre.vocab_size for t in ids):
-            raise InvalidRequest(f"prompt token ids must be in [0, {pre.vocab_size})", param="prompt")
-    return batch

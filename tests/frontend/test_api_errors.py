@@ -90,6 +90,16 @@ def test_prompt_over_context_names_the_limit(live: LiveFrontend) -> None:
     assert error["param"] == "max_tokens"
 
 
+@pytest.mark.parametrize("chars", [100_000, 5_000_000])
+def test_long_prompts_are_rejected_without_stalling(live: LiveFrontend, chars: int) -> None:
+    # 100k characters are tokenized off the event loop; 5M cannot fit whatever the tokens are.
+    body = _chat(messages=[{"role": "user", "content": "hello world " * (chars // 12)}])
+    error = _assert_openai_error(_post(live, "/v1/chat/completions", body), 400, "messages")
+    assert error["code"] == "context_length_exceeded"
+    completion = json.dumps({"model": MODEL, "prompt": "hello world " * (chars // 12)}).encode()
+    _assert_openai_error(_post(live, "/v1/completions", completion), 400, "prompt")
+
+
 def test_unknown_model_is_404(live: LiveFrontend) -> None:
     error = _assert_openai_error(
         _post(live, "/v1/chat/completions", _chat(model="no-such-model")), 404, "model"

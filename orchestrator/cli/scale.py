@@ -9,7 +9,7 @@ import sys
 
 from kubernetes import client
 
-from orchestrator.cli.kube import OperatorError, add_cluster_args, api_client, api_errors, namespace
+from orchestrator.cli.kube import OperatorError, add_cluster_args, api_client, api_errors, meta, namespace
 from orchestrator.cli.pools import find_pool
 
 
@@ -47,11 +47,36 @@ def scale(args: argparse.Namespace) -> str:
                 dry_run="All" if args.dry_run else None,
                 _content_type="application/merge-patch+json",
             )
+        autoscaler = _autoscaler_note(api, ns, pool.deployment)
     new = result.spec.replicas if result.spec else args.replicas
     prefix = "dry run: would scale" if args.dry_run else "scaled"
-    return (
+    done = (
         f"{prefix} pool {pool.name} (deployment {ns}/{pool.deployment}) from {pool.desired} to {new} replicas"
     )
+    return done if autoscaler is None else f"{done}\n{autoscaler}"
+
+
+def _autoscaler_note(api: client.ApiClient, ns: str, deployment: str) -> str | None:
+    """A HorizontalPodAutoscaler on the same Deployment moves the size back into its own range;
+    say so rather than let the change revert silently. Best effort: no permission, no note."""
+    autoscaling = client.AutoscalingV1Api(api)
+    try:
+        with api_errors(api, f"list HorizontalPodAutoscalers in {ns}"):
+            found = autoscaling.list_namespaced_horizontal_pod_autoscaler(ns).items
+    except OperatorError:
+        return None
+    for hpa in found:
+        spec = hpa.spec
+        if (
+            spec is not None
+            and spec.scale_target_ref.kind == "Deployment"
+            and spec.scale_target_ref.name == deployment
+        ):
+            return (
+                f"note: HorizontalPodAutoscaler {meta(hpa).name} also sizes this pool "
+                f"(min {spec.min_replicas or 1}, max {spec.max_replicas}); it keeps the size in that range"
+            )
+    return None
 
 
 def _replicas(text: str) -> int:

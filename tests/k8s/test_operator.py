@@ -336,3 +336,30 @@ async def test_drain_by_pod_name_marks_the_pod_for_scale_down(
     assert "pod ops-weir-pool-decode-b is drained and marked to go first" in out.decode()
     pod = plain(core.read_namespaced_pod("ops-weir-pool-decode-b", NS))
     assert pod["metadata"]["annotations"]["controller.kubernetes.io/pod-deletion-cost"] == "-1000000"
+
+
+def test_scale_warns_when_an_autoscaler_owns_the_pool(
+    capsys: pytest.CaptureFixture[str], release: Release, tmp_path: Path
+) -> None:
+    api = config.new_client_from_config(release.kubeconfig, persist_config=False)
+    hpa = client.V1HorizontalPodAutoscaler(
+        metadata=client.V1ObjectMeta(name="prefill-hpa"),
+        spec=client.V1HorizontalPodAutoscalerSpec(
+            scale_target_ref=client.V1CrossVersionObjectReference(
+                api_version="apps/v1", kind="Deployment", name="ops-weir-pool-prefill"
+            ),
+            min_replicas=1,
+            max_replicas=4,
+        ),
+    )
+    client.AutoscalingV1Api(api).create_namespaced_horizontal_pod_autoscaler(NS, hpa)
+    try:
+        # The operator Role may read autoscalers, so operators see the note too.
+        operator = str(release.api.write_kubeconfig(tmp_path / "operator", "operator", "operator-token"))
+        result = weir(capsys, "scale", "prefill", "--replicas", "3", *kube_args(release, operator))
+        assert result.rc == 0, result.err
+        assert "note: HorizontalPodAutoscaler prefill-hpa also sizes this pool (min 1, max 4)" in result.out
+        quiet = weir(capsys, "scale", "decode", "--replicas", "1", *kube_args(release, operator))
+        assert "HorizontalPodAutoscaler" not in quiet.out
+    finally:
+        client.AutoscalingV1Api(api).delete_namespaced_horizontal_pod_autoscaler("prefill-hpa", NS)

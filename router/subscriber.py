@@ -106,7 +106,9 @@ class RouterSubscriber:
             try:
                 handle(data)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.warning("dropping a malformed message on %s: %s", getattr(sub, "subject", "?"), exc)
+                log.warning("dropping a malformed message: %s", exc)
+            except Exception:  # one bad message must not stop the index from following events
+                log.exception("failed to apply an event-plane message")
 
     def _on_kv(self, data: bytes) -> None:
         if self.router.apply_kv_batch(_decode_kv(data)):

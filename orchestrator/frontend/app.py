@@ -48,7 +48,6 @@ class FrontendState:
     metrics: Metrics
     registry: ModelRegistry
     serving: Serving
-    discovery: Discovery
     on_close: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
 
@@ -107,7 +106,7 @@ def build_app(
     the client for each discovered worker (see server.make_client_factory)."""
     metrics = Metrics()
     registry = ModelRegistry(config, client_factory, events, metrics)
-    state = FrontendState(config, metrics, registry, Serving(config, registry, metrics), discovery)
+    state = FrontendState(config, metrics, registry, Serving(config, registry, metrics))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -6,9 +6,14 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from backends.deepinfer.smollm2 import ensure_default_model, gguf_path
 from backends.deepinfer.tiny import build_checkpoint
+
+# The test machine's few cores are shared by many processes; torch's OpenMP threads then wait on
+# each other at every barrier (a 2-thread matmul ran ~100x slower than a 1-thread one here).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

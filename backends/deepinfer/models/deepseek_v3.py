@@ -20,6 +20,9 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class DeepseekV3ForCausalLM(CausalLM):
+    # MLA keeps its projections separate; only the MLPs fuse gate and up.
+    packed_modules_mapping = {k: v for k, v in CausalLM.packed_modules_mapping.items() if "gate_up" in v[0]}
+
     def __init__(self, config: HFConfig, max_positions: int) -> None:
         layers = []
         for index in range(config.num_hidden_layers):

@@ -1,0 +1,250 @@
+"""DeepInfer's model runner against Hugging Face transformers on the same checkpoints.
+
+The runner is driven directly with hand-built sequences and chunks; block ids come from a
+shuffled pool so pages are scattered, as they are under a real block manager. The reference is
+transformers' full (uncached) forward over each sequence.
+
+Tolerances (float32, CPU): tiny models' logits have std ~4-10 and match to ~2e-5 absolute;
+SmolLM2-135M (logits up to ~30) to ~1e-4. We assert 2e-4 and 1e-3 respectively.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from backends.deepinfer.config import EngineConfig
+from backends.deepinfer.model_runner import ModelRunner
+from backends.deepinfer.outputs import ScheduledChunk, SchedulerOutput
+from backends.deepinfer.sequence import Sequence
+from backends.deepinfer.tiny import Arch, build_checkpoint
+from orchestrator.runtime.protocol import WorkerRequest
+
+transformers = pytest.importorskip("transformers")
+
+BLOCK_SIZE = 4
+TINY_ATOL = 2e-4
+PROMPT_LENGTHS = (5, 13, 1, 9, 4)
+
+
+class Blocks:
+    """A trivial block assignment: each sequence gets enough blocks from a shuffled pool."""
+
+    def __init__(self, runner: ModelRunner, seed: int = 0) -> None:
+        self.block_size = runner.block_size
+        self.free = list(range(runner.num_kv_blocks))
+        random.Random(seed).shuffle(self.free)
+
+    def ensure(self, seq: Sequence, length: int) -> None:
+        while len(seq.block_table) * self.block_size < length:
+            seq.block_table.append(self.free.pop())
+
+
+def make_runner(model_dir: Path, **overrides: Any) -> ModelRunner:
+    fields: dict[str, Any] = {"model": str(model_dir), "block_size": BLOCK_SIZE, "num_kv_blocks": 512}
+    fields.update(overrides)
+    return ModelRunner(EngineConfig(**fields))
+
+
+def make_seqs(prompts: list[list[int]]) -> list[Sequence]:
+    return [
+        Sequence(WorkerRequest(request_id=f"r{i}", token_ids=p, max_tokens=64)) for i, p in enumerate(prompts)
+    ]
+
+
+def random_prompts(vocab: int, lengths: tuple[int, ...] = PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def reference(model_dir: Path) -> Any:
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def reference_last_logits(model: Any, token_ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([token_ids])).logits[0, -1].float()
+
+
+def step(runner: ModelRunner, blocks: Blocks, chunks: list[tuple[Sequence, int, int, bool]]) -> torch.Tensor:
+    for seq, start, num, _ in chunks:
+        blocks.ensure(seq, start + num)
+    return runner.execute(
+        SchedulerOutput([ScheduledChunk(s, start, n, sample) for s, start, n, sample in chunks])
+    )
+
+
+def greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Generate `steps` tokens for all prompts together: one batched prefill, then decodes."""
+    seqs, blocks = make_seqs(prompts), Blocks(runner)
+    logits = step(runner, blocks, [(s, 0, len(s.token_ids), True) for s in seqs])
+    for _ in range(steps - 1):
+        for seq, row in zip(seqs, logits, strict=True):
+            seq.token_ids.append(int(row.argmax()))
+        logits = step(runner, blocks, [(s, len(s.token_ids) - 1, 1, True) for s in seqs])
+    for seq, row in zip(seqs, logits, strict=True):
+        seq.token_ids.append(int(row.argmax()))
+    return [s.token_ids[len(p) :] for s, p in zip(seqs, prompts, strict=True)]
+
+
+TINY_CASES: dict[str, tuple[Arch, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "llama-tied-llama3-rope": (
+        "llama",
+        {
+            "tie_word_embeddings": True,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    "llama-mha-linear-rope": (
+        "llama",
+        {"num_key_value_heads": 4, "rope_scaling": {"type": "linear", "factor": 2.0}},
+    ),
+    "qwen2": ("qwen2", {}),
+    "deepseek_v3": ("deepseek_v3", {}),
+    "deepseek_v3-no-q-lora-yarn": (
+        "deepseek_v3",
+        {
+            "q_lora_rank": None,
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 512,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        },
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_CASES))
+def tiny_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    arch, overrides = TINY_CASES[request.param]
+    return build_checkpoint(tmp_path_factory.mktemp(request.param), arch, **overrides)
+
+
+def test_prefill_and_decode_logits_match_transformers(tiny_dir: Path) -> None:
+    runner, ref = make_runner(tiny_dir), reference(tiny_dir)
+    seqs, blocks = make_seqs(random_prompts(runner.vocab_size)), Blocks(runner)
+    logits = step(runner, blocks, [(s, 0, len(s.token_ids), True) for s in seqs])
+    for _ in range(4):
+        assert logits.dtype == torch.float32 and logits.shape == (len(seqs), runner.vocab_size)
+        for seq, row in zip(seqs, logits, strict=True):
+            torch.testing.assert_close(row, reference_last_logits(ref, seq.token_ids), atol=TINY_ATOL, rtol=0)
+            seq.token_ids.append(int(row.argmax()))
+        logits = step(runner, blocks, [(s, len(s.token_ids) - 1, 1, True) for s in seqs])
+
+
+def test_greedy_32_tokens_match_transformers_generate(tiny_dir: Path) -> None:
+    runner, ref = make_runner(tiny_dir), reference(tiny_dir)
+    prompts = random_prompts(runner.vocab_size, (7, 3, 12), seed=1)
+    ours = greedy(runner, prompts, 32)
+    for prompt, tokens in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None)
+        assert tokens == out[0, len(prompt) :].tolist()
+
+
+def test_chunked_prefill_in_a_mixed_batch_gives_the_same_logits(tiny_llama_dir: Path) -> None:
+    runner = make_runner(tiny_llama_dir)
+    long, short = random_prompts(runner.vocab_size, (11, 6), seed=2)
+    whole = make_seqs([long])[0]
+    expected = step(runner, Blocks(runner, seed=5), [(whole, 0, 11, True)])[0]
+
+    blocks = Blocks(runner, seed=6)
+    chunked, other = make_seqs([long, short])
+    # Step 1: the first 7 tokens of `chunked` (not sampled) next to a full prefill of `other`.
+    first = step(runner, blocks, [(chunked, 0, 7, False), (other, 0, 6, True)])
+    assert first.shape[0] == 1  # only the sampled chunk has logits
+    other.token_ids.append(int(first[0].argmax()))
+    # Step 2: a decode of `other`, then the rest of `chunked`, in one batch.
+    second = step(runner, blocks, [(other, 6, 1, True), (chunked, 7, 4, True)])
+    torch.testing.assert_close(second[1], expected, atol=TINY_ATOL, rtol=0)
+
+
+def test_deterministic_mode_logits_ignore_the_batch(tiny_llama_dir: Path) -> None:
+    runner = make_runner(tiny_llama_dir, deterministic=True)
+    prompts = random_prompts(runner.vocab_size, (9, 5, 14, 2, 8), seed=3)
+    alone = greedy(runner, prompts[:1], 6)
+    together = greedy(runner, prompts, 6)
+    assert together[0] == alone[0]
+
+    # Logits, bit for bit: the same sequence decoded alone and beside others.
+    blocks = Blocks(runner)
+    solo, *others = make_seqs(prompts)
+    twin = make_seqs(prompts[:1])[0]
+    step(runner, blocks, [(solo, 0, len(solo.token_ids), False), (twin, 0, len(twin.token_ids), False)])
+    step(runner, blocks, [(s, 0, len(s.token_ids), False) for s in others])
+    a = step(runner, blocks, [(solo, len(solo.token_ids) - 1, 1, True)])[0]
+    b = step(runner, blocks, [(s, len(s.token_ids) - 1, 1, True) for s in [*others[:2], twin, *others[2:]]])[
+        2
+    ]
+    assert torch.equal(a, b)
+
+
+def test_kv_cache_size_and_bytes_per_token(tiny_llama_dir: Path, tiny_deepseek_dir: Path) -> None:
+    llama = make_runner(tiny_llama_dir, num_kv_blocks=0, kv_cache_memory_gb=0.001, max_num_seqs=4)
+    config = llama.hf_config
+    expected = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
+    assert llama.kv_bytes_per_token == expected
+    assert llama.num_kv_blocks == min(2**30 // 1000 // (expected * BLOCK_SIZE), 4 * 2048 // BLOCK_SIZE)
+    mla = make_runner(tiny_deepseek_dir)
+    c = mla.hf_config
+    assert mla.kv_bytes_per_token == c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * 4
+
+
+def test_bad_inputs_are_clear_errors(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    runner = make_runner(tiny_llama_dir)
+    (seq,) = make_seqs([[5, 6, 7, 8, 9]])
+    seq.block_table = [0]  # 4 slots for 5 tokens
+    with pytest.raises(ValueError, match="1 blocks for 5 tokens"):
+        runner.execute(SchedulerOutput([ScheduledChunk(seq, 0, 5, True)]))
+    with pytest.raises(ValueError, match="bad chunk"):
+        runner.execute(SchedulerOutput([ScheduledChunk(seq, 3, 4, True)]))
+    broken = build_checkpoint(tmp_path, "llama", architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        make_runner(broken)
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers_reading_the_gguf(smollm2_dir: Path) -> None:
+    from backends.deepinfer.smollm2 import GGUF_FILE, gguf_path
+
+    runner = make_runner(smollm2_dir, block_size=16, num_kv_blocks=64)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf_path().parent, gguf_file=GGUF_FILE, dtype=torch.float32
+    ).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    prompts = [
+        tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False),
+        tokenizer("The quick brown fox").input_ids,
+        tokenizer("def fibonacci(n):").input_ids,
+    ]
+    prompts = [list(p) for p in prompts]
+    seqs, blocks = make_seqs(prompts), Blocks(runner)
+    logits = step(runner, blocks, [(s, 0, len(s.token_ids), True) for s in seqs])
+    for _ in range(3):
+        for seq, row in zip(seqs, logits, strict=True):
+            torch.testing.assert_close(row, reference_last_logits(ref, seq.token_ids), atol=1e-3, rtol=0)
+            seq.token_ids.append(int(row.argmax()))
+        logits = step(runner, blocks, [(s, len(s.token_ids) - 1, 1, True) for s in seqs])
+    ours = greedy(runner, prompts[:2], 32)
+    for prompt, tokens in zip(prompts[:2], ours, strict=True):
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None)
+        assert tokens == out[0, len(prompt) :].tolist()
+    assert "Paris" in tokenizer.decode(ours[0])

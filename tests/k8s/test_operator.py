@@ -57,17 +57,23 @@ def release(kube_api: ApiServer, helm_bin: str, etcd_url: str, nats_url: str) ->
     """The mocker example installed by helm, its addresses pointing at the test's etcd and NATS,
     and the operator Role bound to the user "operator"."""
     kubeconfig = str(kube_api.kubeconfig)
-    result = helm(
-        helm_bin, "install", RELEASE, str(CHART), "--namespace", NS, "--create-namespace",
-        "--kubeconfig", kubeconfig, "-f", str(CHART / "examples" / "mocker-cpu.yaml"),
-        "--set", f"etcd.enabled=false,etcd.endpoints={etcd_url},nats.enabled=false,nats.url={nats_url}",
+    installed = Release(kube_api, kubeconfig, etcd_url, nats_url)
+    result = helm(helm_bin, "install", *chart_args(installed), "--create-namespace", check=False)
+    assert result.returncode == 0, result.stderr
+    yield installed
+    helm(helm_bin, "uninstall", RELEASE, "--namespace", NS, "--kubeconfig", kubeconfig, check=False)
+
+
+def chart_args(release: Release, *extra: str) -> list[str]:
+    return [
+        RELEASE, str(CHART), "--namespace", NS, "--kubeconfig", release.kubeconfig,
+        "-f", str(CHART / "examples" / "mocker-cpu.yaml"),
+        "--set", f"etcd.enabled=false,etcd.endpoints={release.etcd}",
+        "--set", f"nats.enabled=false,nats.url={release.nats}",
         "--set", "operatorRole.subjects[0].kind=User,operatorRole.subjects[0].name=operator",
         "--set", "operatorRole.subjects[0].apiGroup=rbac.authorization.k8s.io",
-        check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    yield Release(kube_api, kubeconfig, etcd_url, nats_url)
-    helm(helm_bin, "uninstall", RELEASE, "--namespace", NS, "--kubeconfig", kubeconfig, check=False)
+        *extra,
+    ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -363,3 +369,26 @@ def test_scale_warns_when_an_autoscaler_owns_the_pool(
         assert "HorizontalPodAutoscaler" not in quiet.out
     finally:
         client.AutoscalingV1Api(api).delete_namespaced_horizontal_pod_autoscaler("prefill-hpa", NS)
+
+
+def test_helm_upgrade_keeps_the_scaled_size(
+    capsys: pytest.CaptureFixture[str], release: Release, apps: client.AppsV1Api, helm_bin: str
+) -> None:
+    """`weir scale` (or the planner, or an HPA) owns a pool's size after install; an upgrade of
+    the release keeps it unless keepScaledReplicas is turned off. Runs last: it resets sizes."""
+
+    def replicas(pool: str) -> int:
+        return int(
+            plain(apps.read_namespaced_deployment_scale(f"ops-weir-pool-{pool}", NS))["spec"]["replicas"]
+        )
+
+    assert weir(capsys, "scale", "prefill", "--replicas", "3", *kube_args(release)).rc == 0
+    upgrade = helm(helm_bin, "upgrade", *chart_args(release, "--set", "frontend.replicas=2"), check=False)
+    assert upgrade.returncode == 0, upgrade.stderr
+    assert replicas("prefill") == 3
+    assert plain(apps.read_namespaced_deployment("ops-weir-frontend", NS))["spec"]["replicas"] == 2
+
+    reset = chart_args(release, "--set", "poolDefaults.keepScaledReplicas=false")
+    upgrade = helm(helm_bin, "upgrade", *reset, check=False)
+    assert upgrade.returncode == 0, upgrade.stderr
+    assert replicas("prefill") == 1  # the example's value

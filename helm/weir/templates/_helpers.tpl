@@ -92,3 +92,18 @@ weir.dev/pool: {{ .name }}
 weir.dev/role: {{ .role }}
 weir.dev/backend: {{ .backend }}
 {{- end -}}
+
+{{/* A pool's size: `replicas` at install; on upgrade, with keepScaledReplicas, the size running
+now, so `helm upgrade` does not undo `weir scale`, the planner or an HPA. lookup finds nothing
+under `helm template`, which therefore shows `replicas`. Args: (dict "root" $ "pool" $p "name" $name) */}}
+{{- define "weir.poolReplicas" -}}
+{{- $live := dict -}}
+{{- if .pool.keepScaledReplicas -}}
+{{- $live = lookup "apps/v1" "Deployment" .root.Release.Namespace .name | default dict -}}
+{{- end -}}
+{{- if and $live $live.spec -}}
+{{- $live.spec.replicas -}}
+{{- else -}}
+{{- .pool.replicas -}}
+{{- end -}}
+{{- end -}}

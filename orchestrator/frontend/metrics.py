@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from router.metrics import RouterMetrics
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0)
 _ENDPOINTS = ("chat", "completions")
@@ -76,6 +78,7 @@ class Metrics:
             "weir_frontend_cached_tokens", "Prompt tokens served from cache", ["model"], registry=r
         )
         self.workers = Gauge("weir_frontend_workers", "Known workers", registry=r)
+        self.router = RouterMetrics(r)  # shared by every model's router, labelled by model
         self.inflight_by_endpoint = {e: self.inflight.labels(e) for e in _ENDPOINTS}
         self._requests_by_label: dict[tuple[str, int], Counter] = {}
 
@@ -90,5 +93,5 @@ class Metrics:
         child.inc()
 
     def render(self) -> bytes:
-        # Plus the process-wide registry: the router's metrics, and in `weir serve` the workers'.
+        # Plus the process-wide registry: in `weir serve`, the embedded workers' metrics.
         return generate_latest(self.registry) + generate_latest(REGISTRY)

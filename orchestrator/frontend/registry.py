@@ -154,6 +154,7 @@ class ModelRegistry:
                 max_chars = await asyncio.to_thread(max_prompt_chars, preprocessor, card.context_length)
             except Exception:
                 log.exception("cannot load the tokenizer of %s from %s", card.name, card.model_path)
-        routing = await build_router(self.config, card, self.events, self._fetcher(card.name))
+        fetch = self._fetcher(card.name)
+        routing = await build_router(self.config, card, self.events, fetch, self.metrics.router)
         metrics = self.metrics.for_model(card.name)
         return ModelEntry(card.name, card, routing, metrics, preprocessor, max_chars)

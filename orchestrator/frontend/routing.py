@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from orchestrator.frontend.config import FrontendConfig
 from orchestrator.runtime.events import EventPlane
 from orchestrator.runtime.protocol import ModelCard
+from router.metrics import RouterMetrics
 from router.router import Router, make_router
 from router.subscriber import FetchSnapshot, RouterSubscriber
 
@@ -28,12 +29,16 @@ class ModelRouting:
 
 
 async def build_router(
-    config: FrontendConfig, card: ModelCard, events: EventPlane | None, fetch_snapshot: FetchSnapshot
+    config: FrontendConfig,
+    card: ModelCard,
+    events: EventPlane | None,
+    fetch_snapshot: FetchSnapshot,
+    metrics: RouterMetrics,
 ) -> ModelRouting:
     params = dict(config.router_params)
     if events is None:
         params.setdefault("kv_events", False)
-    router = make_router(config.router_mode, card.block_size, **params)
+    router = make_router(config.router_mode, card.block_size, model=card.name, metrics=metrics, **params)
     if events is None:
         return ModelRouting(router)
     subscriber = RouterSubscriber(router, events, config.namespace, card.name, fetch_snapshot)

@@ -111,3 +111,4 @@ def test_metrics_count_requests_tokens_and_latency(model_dir: Path) -> None:
         assert _metric(live, f'weir_frontend_inter_token_latency_seconds_count{{model="{MODEL}"}}') == 2
         assert _metric(live, 'weir_frontend_inflight_requests{endpoint="chat"}') == 0
         assert _metric(live, "weir_frontend_workers") == 1
+        assert _metric(live, f'weir_router_decisions_total{{mode="kv",model="{MODEL}"}}') == 2

@@ -26,7 +26,7 @@ def test_kv_events_steer_a_repeated_prefix_to_its_worker(model_dir: Path) -> Non
         client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=30)
         prefix = "The scheduler batches prefill chunks and decode steps together. " * 20
         client.completions.create(model=MODEL, prompt=prefix + "First.", max_tokens=2, extra_body=FIXED)
-        time.sleep(0.2)  # the workers publish KV events every ~15 ms
+        _wait_for_kv_events(live.url)
         cached = []
         for question in ("Second?", "Third!", "Fourth."):
             out = client.completions.create(
@@ -36,6 +36,17 @@ def test_kv_events_steer_a_repeated_prefix_to_its_worker(model_dir: Path) -> Non
             cached.append(out.usage.prompt_tokens_details.cached_tokens or 0)
         # Every follow-up found the shared prefix's full blocks (all but the tail) cached.
         assert min(cached) >= 64 * 4
+
+
+def _wait_for_kv_events(url: str, timeout: float = 10.0) -> None:
+    """Until the router has applied KV events (workers publish them every ~15 ms)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in httpx.get(f"{url}/metrics").text.splitlines():
+            if line.startswith("weir_router_kv_events_applied_total{") and float(line.rsplit(" ", 1)[1]) > 0:
+                return
+        time.sleep(0.02)
+    raise AssertionError("the router never applied a KV event")
 
 
 def test_worker_lost_mid_stream_ends_the_stream_with_an_error(model_dir: Path) -> None:

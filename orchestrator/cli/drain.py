@@ -57,7 +57,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="seconds to wait for in-flight requests (default 600); exit 1 when exceeded",
     )
     add_cluster_args(parser)
-    add_plane_args(parser)
+    add_plane_args(parser, load=False)
     parser.set_defaults(run=run)
 
 

@@ -26,18 +26,20 @@ class Planes:
     source: str  # where the addresses came from, for the user
 
 
-def add_plane_args(parser: argparse.ArgumentParser) -> None:
+def add_plane_args(parser: argparse.ArgumentParser, load: bool = True) -> None:
+    """--etcd and --weir-namespace; with `load`, also --nats (where load reports are heard)."""
     group = parser.add_argument_group("discovery")
     group.add_argument(
         "--etcd",
         default=os.environ.get("WEIR_ETCD"),
         help="etcd URL, e.g. http://127.0.0.1:2379 (env WEIR_ETCD; default: the release's ConfigMap)",
     )
-    group.add_argument(
-        "--nats",
-        default=os.environ.get("WEIR_NATS"),
-        help="NATS URL for load reports (env WEIR_NATS; default: the release's ConfigMap)",
-    )
+    if load:
+        group.add_argument(
+            "--nats",
+            default=os.environ.get("WEIR_NATS"),
+            help="NATS URL for load reports (env WEIR_NATS; default: the release's ConfigMap)",
+        )
     group.add_argument(
         "--weir-namespace",
         default=os.environ.get("WEIR_NAMESPACE"),
@@ -50,7 +52,7 @@ def from_flags(args: argparse.Namespace) -> Planes | None:
     if not args.etcd:
         return None
     weir_ns = args.weir_namespace or args.release or "default"
-    return Planes(etcd=args.etcd, nats=args.nats, namespace=weir_ns, source="flags")
+    return Planes(etcd=args.etcd, nats=getattr(args, "nats", None), namespace=weir_ns, source="flags")
 
 
 def from_release(api: client.ApiClient, k8s_namespace: str, args: argparse.Namespace) -> Planes:
@@ -78,7 +80,7 @@ def from_release(api: client.ApiClient, k8s_namespace: str, args: argparse.Names
         raise OperatorError(f"ConfigMap {meta(found[0]).name} has no WEIR_ETCD", EXIT_NOT_FOUND)
     return Planes(
         etcd=args.etcd or data["WEIR_ETCD"],
-        nats=args.nats or data.get("WEIR_NATS"),
+        nats=getattr(args, "nats", None) or data.get("WEIR_NATS"),
         namespace=args.weir_namespace or data.get("WEIR_NAMESPACE") or "default",
         source=f"ConfigMap {k8s_namespace}/{meta(found[0]).name}",
     )

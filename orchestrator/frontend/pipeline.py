@@ -42,6 +42,8 @@ class Job:
     n: int  # choices per prompt
     max_retries: int
     metrics: Metrics
+    include_stop: bool = False  # vLLM's include_stop_str_in_output
+    skip_special_tokens: bool = True
     arrived: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
 
@@ -65,8 +67,8 @@ class Job:
 async def run_choice(job: Job, choice: ChoiceState) -> Outputs:
     request = choice.request
     route = RouteRequest(request.request_id, len(request.token_ids), request.block_hashes)
-    detok = job.preprocessor.detokenizer()
-    stop = StopStringMatcher(job.stops) if job.stops else None
+    detok = job.preprocessor.detokenizer(job.skip_special_tokens)
+    stop = StopStringMatcher(job.stops, job.include_stop) if job.stops else None
     index = choice.index
     deltas = dispatch.generate(job.entry, request, route, job.max_retries, job.metrics)
     try:

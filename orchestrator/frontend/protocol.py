@@ -5,7 +5,8 @@ are msgspec structs (see `responses.py`), because they are built per token.
 
 Unknown fields are accepted and logged once per field name, as vLLM does, so newer clients
 keep working. vLLM-style extensions (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
-`min_tokens`, `stop_token_ids`, `guided_*`, `chat_template_kwargs`) are accepted too."""
+`min_tokens`, `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`, `guided_*`,
+`chat_template_kwargs`) are accepted too."""
 
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ class GenerationRequest(_Lenient):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)

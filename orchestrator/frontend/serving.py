@@ -133,7 +133,16 @@ class Serving:
             for request in per_choice(base, req.n):
                 choices.append(pipeline.ChoiceState(len(choices), request, len(ids)))
         return pipeline.Job(
-            request_id, entry, pre, choices, stop_strings(req), req.n, self.config.max_retries, self.metrics
+            request_id,
+            entry,
+            pre,
+            choices,
+            stop_strings(req),
+            req.n,
+            self.config.max_retries,
+            self.metrics,
+            include_stop=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
         )
 
     async def _respond(

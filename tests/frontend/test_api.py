@@ -127,6 +127,10 @@ def test_stop_string_cuts_the_output(client: openai.OpenAI) -> None:
     chunks = list(streamed)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
+    kept = client.chat.completions.create(
+        **{**args, "extra_body": {**FIXED, "include_stop_str_in_output": True}}, stop=stop
+    )
+    assert kept.choices[0].message.content == expected + stop
 
 
 def test_repeated_prompt_reports_cached_tokens(client: openai.OpenAI) -> None:

@@ -10,7 +10,6 @@ replica that died without finishing its requests expires after `peer_ttl_s`.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -46,12 +45,12 @@ class LoadTracker:
         self._clock = clock
         self.workers: dict[str, WorkerLoad] = {}
         self._requests: dict[str, _Request] = {}
-        self._held: dict[str, Counter[int]] = {}  # worker -> seq hash -> in-flight requests
+        self._held: dict[str, dict[int, int]] = {}  # worker -> seq hash -> in-flight requests
         self._peers: dict[tuple[str, str], _PeerRequest] = {}
 
     def add_worker(self, worker_id: str, total_blocks: int = 0) -> WorkerLoad:
         load = self.workers.setdefault(worker_id, WorkerLoad(total_blocks=total_blocks))
-        self._held.setdefault(worker_id, Counter())
+        self._held.setdefault(worker_id, {})
         return load
 
     def remove_worker(self, worker_id: str) -> None:
@@ -85,8 +84,10 @@ class LoadTracker:
         held = self._held[worker_id]
         load = self.workers[worker_id]
         before = len(held)
-        held.update(hashes)  # counts in C; the blocks new to this worker are the growth
-        new = len(held) - before
+        get = held.get
+        for seq_hash in hashes:
+            held[seq_hash] = get(seq_hash, 0) + 1
+        new = len(held) - before  # blocks no other in-flight request on this worker holds
         load.inflight_requests += 1
         load.inflight_blocks += new + tail
         load.refresh()

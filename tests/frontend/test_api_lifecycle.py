@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -112,3 +113,30 @@ def test_metrics_count_requests_tokens_and_latency(model_dir: Path) -> None:
         assert _metric(live, 'weir_frontend_inflight_requests{endpoint="chat"}') == 0
         assert _metric(live, "weir_frontend_workers") == 1
         assert _metric(live, f'weir_router_decisions_total{{mode="kv",model="{MODEL}"}}') == 2
+
+
+def test_many_streams_with_hang_ups_leave_nothing_behind(model_dir: Path) -> None:
+    with live_frontend(model_dir, num_workers=2, speedup=20.0) as live:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 100, "stream": True, "ignore_eos": True}
+
+        async def one(client: httpx.AsyncClient, hang_up: bool) -> bool:
+            async with client.stream("POST", f"{live.url}/v1/chat/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if hang_up and line.startswith("data: "):
+                        return False  # leaving the block closes the connection mid-stream
+                    if line == "data: [DONE]":
+                        return True
+            return False
+
+        async def run() -> list[bool]:
+            limits = httpx.Limits(max_connections=40)
+            async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+                return await asyncio.gather(*(one(client, hang_up=i % 2 == 0) for i in range(40)))
+
+        finished = asyncio.run(run())
+        assert finished.count(True) == 20
+        _wait_for(lambda: live.active_requests() == 0)
+        _wait_for(lambda: _metric(live, "weir_frontend_client_disconnects_total") == 20)
+        assert _metric(live, 'weir_frontend_inflight_requests{endpoint="chat"}') == 0
+        assert _metric(live, 'weir_frontend_requests_total{endpoint="chat",status="200"}') == 20
+        assert httpx.get(f"{live.url}/health").status_code == 200

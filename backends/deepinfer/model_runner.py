@@ -122,13 +122,17 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.sample_index]).float()
 
     def prepare(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
-        """Flatten the chunks' tokens and build their cache slots and attention spans."""
+        """Flatten the chunks' tokens and build their cache slots and attention spans.
+
+        Plain Python lists first, one tensor per field after: a step has many small chunks."""
+        bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
-        slot_parts: list[torch.Tensor] = []
+        slots: list[int] = []
         prefills: list[PrefillSpan] = []
         decode_index: list[int] = []
-        decode_slots: list[torch.Tensor] = []
+        decode_tables: list[list[int]] = []
+        decode_lengths: list[int] = []
         sample_index: list[int] = []
         for chunk in chunks:
             seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
@@ -137,47 +141,40 @@ class ModelRunner:
                     f"request {seq.request_id}: bad chunk [{start}, {end}) for {len(seq.token_ids)} tokens"
                     f" (max_model_len {self.max_model_len})"
                 )
-            context = self._context_slots(seq.block_table, end, seq.request_id)
+            table = seq.block_table[: -(-end // bs)]
+            if len(table) * bs < end:
+                raise ValueError(f"request {seq.request_id}: {len(seq.block_table)} blocks for {end} tokens")
             begin = len(ids)
             ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            slot_parts.append(context[start:end])
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if chunk.num_tokens == 1:
                 decode_index.append(begin)
-                decode_slots.append(context)
+                decode_tables.append(table)
+                decode_lengths.append(end)
             else:
-                prefills.append(
-                    PrefillSpan(begin, len(ids), start, self._on_device(context) if start else None)
-                )
+                context = self._tensor(table) if start else None
+                prefills.append(PrefillSpan(begin, len(ids), start, context))
             if chunk.sample:
                 sample_index.append(len(ids) - 1)
         batch = ForwardBatch(
-            input_ids=self._on_device(torch.tensor(ids)),
-            positions=self._on_device(torch.tensor(positions)),
-            slot_mapping=self._on_device(torch.cat(slot_parts)),
+            input_ids=self._tensor(ids),
+            positions=self._tensor(positions),
+            slot_mapping=self._tensor(slots),
             prefills=prefills,
             decode_index=None,
-            decode_slots=None,
+            decode_blocks=None,
             decode_mask=None,
-            sample_index=self._on_device(torch.tensor(sample_index, dtype=torch.long)),
+            sample_index=self._tensor(sample_index),
         )
         if decode_index:
-            lengths = torch.tensor([len(s) for s in decode_slots])
-            padded = torch.nn.utils.rnn.pad_sequence(decode_slots, batch_first=True)  # pads with slot 0
-            mask = torch.arange(padded.shape[1])[None, :] < lengths[:, None]
-            batch.decode_index = self._on_device(torch.tensor(decode_index))
-            batch.decode_slots = self._on_device(padded)
-            batch.decode_mask = self._on_device(mask[:, None, None, :])
+            width = max(len(t) for t in decode_tables)
+            padded = [t + [0] * (width - len(t)) for t in decode_tables]  # block 0: masked out below
+            mask = torch.arange(width * bs)[None, :] < torch.tensor(decode_lengths)[:, None]
+            batch.decode_index = self._tensor(decode_index)
+            batch.decode_blocks = self._tensor(padded)
+            batch.decode_mask = mask[:, None, None, :].to(self.device, non_blocking=True)
         return batch
 
-    def _context_slots(self, block_table: list[int], length: int, request_id: str) -> torch.Tensor:
-        """Cache slots of positions 0 .. length - 1 of a sequence."""
-        needed = -(-length // self.block_size)
-        if len(block_table) < needed:
-            raise ValueError(f"request {request_id}: {len(block_table)} blocks for {length} tokens")
-        blocks = torch.tensor(block_table[:needed], dtype=torch.long)
-        offsets = torch.arange(self.block_size, dtype=torch.long)
-        return (blocks[:, None] * self.block_size + offsets[None, :]).view(-1)[:length]
-
-    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device, non_blocking=True)
+    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

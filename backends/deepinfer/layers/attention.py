@@ -19,9 +19,11 @@ def store(cache: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor) -> No
     cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, entries.to(cache.dtype))
 
 
-def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Entries at `slots` (any shape) -> `[*slots.shape, *entry]`."""
-    return cache.view(-1, *cache.shape[2:])[slots]
+def gather(cache: torch.Tensor, blocks: torch.Tensor, length: int | None = None) -> torch.Tensor:
+    """The entries of block tables `blocks` `[..., N]` -> `[..., N * block_size, *entry]`,
+    cut to the first `length` positions when given."""
+    entries = cache[blocks].flatten(blocks.dim() - 1, blocks.dim())
+    return entries if length is None else entries.narrow(blocks.dim() - 1, 0, length)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -92,8 +94,11 @@ class Attention(nn.Module):
             keys, values = self._context(span, k, v)
             out[span.begin : span.end] = prefill_attention(q[span.begin : span.end], keys, values, self.scale)
         if batch.decode_index is not None:
-            assert batch.decode_slots is not None and batch.decode_mask is not None
-            keys, values = gather(self.k_cache, batch.decode_slots), gather(self.v_cache, batch.decode_slots)
+            assert batch.decode_blocks is not None and batch.decode_mask is not None
+            keys, values = (
+                gather(self.k_cache, batch.decode_blocks),
+                gather(self.v_cache, batch.decode_blocks),
+            )
             out[batch.decode_index] = decode_attention(
                 q[batch.decode_index], keys, values, batch.decode_mask, self.scale
             ).to(q.dtype)
@@ -102,6 +107,7 @@ class Attention(nn.Module):
     def _context(
         self, span: PrefillSpan, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if span.context_slots is None:  # nothing cached before the chunk: use it as computed
+        if span.context_blocks is None:  # nothing cached before the chunk: use it as computed
             return k[span.begin : span.end], v[span.begin : span.end]
-        return gather(self.k_cache, span.context_slots), gather(self.v_cache, span.context_slots)
+        blocks = span.context_blocks
+        return gather(self.k_cache, blocks, span.length), gather(self.v_cache, blocks, span.length)

@@ -62,11 +62,9 @@ def busy(loads: Sequence[WorkerLoad], params: CostParams) -> list[bool]:
     """Per worker: above the KV-use fraction of its reported capacity (none reported: never),
     or with more waiting requests than `busy_waiting_requests` (when that is > 0)."""
     fraction, waiting = params.busy_kv_fraction, params.busy_waiting_requests
-    return [
-        bool(load.total_blocks and load.blocks > fraction * load.total_blocks)
-        or 0 < waiting < load.waiting_requests
-        for load in loads
-    ]
+    if waiting > 0:
+        return [load.kv_usage > fraction or load.waiting_requests > waiting for load in loads]
+    return [load.kv_usage > fraction for load in loads]
 
 
 def choose(costs: Sequence[float], loads: Sequence[int], temperature: float, rng: random.Random) -> int:

@@ -50,6 +50,7 @@ class LoadTracker:
 
     def add_worker(self, worker_id: str, total_blocks: int = 0) -> WorkerLoad:
         load = self.workers.setdefault(worker_id, WorkerLoad(total_blocks=total_blocks))
+        load.refresh()
         self._held.setdefault(worker_id, {})
         return load
 

@@ -44,10 +44,12 @@ class WorkerLoad:
     # the router's count misses routers that share no load: the larger is the better guess.
     requests: int = 0
     blocks: int = 0
+    kv_usage: float = 0.0  # blocks / total_blocks; 0 while the capacity is unknown
 
     def refresh(self) -> None:
         self.requests = max(self.inflight_requests, self.active_requests + self.waiting_requests)
         self.blocks = max(self.inflight_blocks, self.active_blocks)
+        self.kv_usage = self.blocks / self.total_blocks if self.total_blocks else 0.0
 
 
 class InflightUpdate(msgspec.Struct, kw_only=True):

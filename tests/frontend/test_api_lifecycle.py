@@ -116,7 +116,7 @@ def test_metrics_count_requests_tokens_and_latency(model_dir: Path) -> None:
 
 
 def test_many_streams_with_hang_ups_leave_nothing_behind(model_dir: Path) -> None:
-    with live_frontend(model_dir, num_workers=2, speedup=20.0) as live:
+    with live_frontend(model_dir, num_workers=2, speedup=5.0) as live:
         body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 100, "stream": True, "ignore_eos": True}
 
         async def one(client: httpx.AsyncClient, hang_up: bool) -> bool:
@@ -136,7 +136,15 @@ def test_many_streams_with_hang_ups_leave_nothing_behind(model_dir: Path) -> Non
         finished = asyncio.run(run())
         assert finished.count(True) == 20
         _wait_for(lambda: live.active_requests() == 0)
-        _wait_for(lambda: _metric(live, "weir_frontend_client_disconnects_total") == 20)
+
+        def outcomes() -> tuple[float, float]:
+            ok = _metric(live, 'weir_frontend_requests_total{endpoint="chat",status="200"}')
+            return ok, _metric(live, "weir_frontend_client_disconnects_total")
+
+        # A hang-up that lands after the last byte was sent counts as a success, not a disconnect.
+        _wait_for(lambda: sum(outcomes()) == 40)
+        ok, hung_up = outcomes()
+        assert ok >= 20 and hung_up > 0
         assert _metric(live, 'weir_frontend_inflight_requests{endpoint="chat"}') == 0
-        assert _metric(live, 'weir_frontend_requests_total{endpoint="chat",status="200"}') == 20
+        assert _metric(live, "weir_frontend_errors_total") == 0
         assert httpx.get(f"{live.url}/health").status_code == 200

@@ -54,6 +54,11 @@ def test_client_disconnect_cancels_on_the_worker(model_dir: Path) -> None:
             assert live.active_requests() == 1
         _wait_for(lambda: live.active_requests() == 0)
         _wait_for(lambda: _metric(live, "weir_frontend_client_disconnects_total") == 1)
+        # A non-streaming request whose client gives up is cancelled the same way.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{live.url}/v1/chat/completions", json={**body, "stream": False}, timeout=1.0)
+        _wait_for(lambda: live.active_requests() == 0)
+        _wait_for(lambda: _metric(live, "weir_frontend_client_disconnects_total") == 2)
 
 
 def test_health_follows_workers_and_models_follow_discovery(model_dir: Path) -> None:

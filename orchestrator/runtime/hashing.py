@@ -36,11 +36,12 @@ def block_hashes(
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     n_full = len(token_ids) // block_size * block_size
-    # One conversion of the whole list to u32 bytes; slicing the buffer per block is cheap.
-    words = array("I", token_ids[:n_full])
+    # One conversion of the whole list to u32 words, viewed as bytes without a copy;
+    # slicing the view per block is cheap. A tail past n_full is converted but never hashed.
+    words = array("I", token_ids)
     if sys.byteorder != "little":
         words.byteswap()
-    data = memoryview(words.tobytes())
+    data = memoryview(words).cast("B")
     step = block_size * 4
     seed = root_hash(salt) if parent is None else parent
     out: list[int] = []

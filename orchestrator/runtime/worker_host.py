@@ -179,15 +179,20 @@ class WorkerHost:
         load_subject = subject(self.namespace, card.name, "load")
         last: LoadReport | None = None
         last_sent = 0.0
+        # The id of the last batch taken from the engine, sent or not: load reports carry it so
+        # a router notices a lost final batch, which no later batch would reveal as a gap.
+        kv_event_id = 0
         while True:
             await asyncio.sleep(self.publish_interval)
             try:
                 for batch in self.engine.take_kv_events():
                     batch.worker_id = self.instance_id
+                    kv_event_id = batch.event_id
                     await self.events.publish(kv_subject, _encode(batch))
                 load = self.engine.load()
                 load.worker_id = self.instance_id
                 load.draining = self.draining
+                load.kv_event_id = kv_event_id
                 metrics.observe_load(load, self.in_flight)
                 now = time.monotonic()
                 if load != last or now - last_sent >= LOAD_HEARTBEAT_S:

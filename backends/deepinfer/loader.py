@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -20,7 +21,7 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
     params = dict(model.named_parameters())
-    filled: set[str] = set()
+    filled: set[tuple[str, Any]] = set()
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
@@ -37,8 +38,11 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
                         loader(param, f.get_tensor(name))
                     else:
                         loader(param, f.get_tensor(name), shard)
-                filled.add(param_name)
-    missing = sorted(set(params) - filled)
+                filled.add((param_name, shard))
+    expected = {
+        (name, shard) for name, p in params.items() for shard in getattr(p, "shard_ids", None) or [None]
+    }
+    missing = sorted({name for name, _ in expected - filled})
     if missing:
         raise ValueError(
             f"checkpoint {model_dir} lacks weights for {missing[:5]}{'...' if len(missing) > 5 else ''}"

@@ -251,6 +251,43 @@ def test_bad_inputs_are_clear_errors(tiny_llama_dir: Path, tmp_path: Path) -> No
         make_runner(broken)
 
 
+def test_loader_rejects_incomplete_or_foreign_checkpoints(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    model_dir = build_checkpoint(tmp_path, "llama")
+    weights = load_file(model_dir / "model.safetensors")
+    save_file(
+        {k: v for k, v in weights.items() if "layers.1.mlp.up_proj" not in k}, model_dir / "model.safetensors"
+    )
+    with pytest.raises(ValueError, match=r"lacks weights for \['model.layers.1.mlp.gate_up_proj.weight'\]"):
+        make_runner(model_dir)
+    save_file({**weights, "model.extra.weight": torch.zeros(2)}, model_dir / "model.safetensors")
+    with pytest.raises(KeyError, match=r"model\.extra\.weight"):
+        make_runner(model_dir)
+
+
+def test_deepseek_skips_mtp_layers_and_maps_experts(tmp_path: Path) -> None:
+    from backends.deepinfer.hf_config import HFConfig
+    from backends.deepinfer.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+    model_dir = build_checkpoint(tmp_path, "deepseek_v3")
+    model = DeepseekV3ForCausalLM(HFConfig.load(model_dir), max_positions=16)
+    layers = model.config.num_hidden_layers
+    assert model.weight_target(f"model.layers.{layers}.eh_proj.weight") is None
+    assert model.weight_target("model.layers.2.mlp.experts.5.up_proj.weight") == (
+        "model.layers.2.mlp.experts.w13",
+        (5, "up"),
+    )
+    assert model.weight_target("model.layers.0.mlp.gate_proj.weight") == (
+        "model.layers.0.mlp.gate_up_proj.weight",
+        "gate",
+    )
+    assert model.weight_target("model.layers.1.self_attn.q_a_proj.weight") == (
+        "model.layers.1.self_attn.q_a_proj.weight",
+        None,
+    )
+
+
 @pytest.mark.slow
 def test_smollm2_matches_transformers_reading_the_gguf(smollm2_dir: Path) -> None:
     from backends.deepinfer.smollm2 import GGUF_FILE, gguf_path

@@ -2,6 +2,7 @@
 
 Each parameter carries a `weight_loader(param, loaded[, shard_id])`; the loader looks it up, so
 a fused projection (q/k/v, gate/up) fills its row ranges from the checkpoint's separate tensors.
+A fused parameter also lists its `shard_ids`, so the loader can tell when one part is missing.
 """
 
 from __future__ import annotations
@@ -22,22 +23,26 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> nn.Parameter:
+def new_parameter(
+    *shape: int, loader: WeightLoader = default_weight_loader, shard_ids: list[Any] | None = None
+) -> nn.Parameter:
+    # Uninitialized on purpose: every value comes from the checkpoint.
+    param = nn.Parameter(torch.empty(*shape), requires_grad=False)
     param.weight_loader = loader  # type: ignore[attr-defined]
+    param.shard_ids = shard_ids  # type: ignore[attr-defined]
     return param
 
 
-def new_parameter(*shape: int, loader: WeightLoader = default_weight_loader) -> nn.Parameter:
-    # Uninitialized on purpose: every value comes from the checkpoint.
-    return set_weight_loader(nn.Parameter(torch.empty(*shape), requires_grad=False), loader)
-
-
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, shard_ids: list[Any] | None = None
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = new_parameter(out_features, in_features, loader=self.weight_loader)
-        self.bias = new_parameter(out_features, loader=self.weight_loader) if bias else None
+        self.weight = new_parameter(out_features, in_features, loader=self.weight_loader, shard_ids=shard_ids)
+        self.bias = (
+            new_parameter(out_features, loader=self.weight_loader, shard_ids=shard_ids) if bias else None
+        )
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         default_weight_loader(param, loaded)
@@ -53,7 +58,7 @@ class MergedLinear(Linear):
     the checkpoint's `q_proj` tensor then loads with shard id "q" into rows [0, 512)."""
 
     def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False) -> None:
-        super().__init__(in_features, sum(shards.values()), bias)
+        super().__init__(in_features, sum(shards.values()), bias, shard_ids=list(shards))
         self.shard_sizes = list(shards.values())
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         offset = 0

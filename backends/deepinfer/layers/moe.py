@@ -62,8 +62,14 @@ class FusedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.w13 = new_parameter(num_experts, 2 * intermediate_size, hidden_size, loader=self.weight_loader)
-        self.w2 = new_parameter(num_experts, hidden_size, intermediate_size, loader=self.weight_loader)
+        gate_up = [(e, which) for e in range(num_experts) for which in ("gate", "up")]
+        self.w13 = new_parameter(
+            num_experts, 2 * intermediate_size, hidden_size, loader=self.weight_loader, shard_ids=gate_up
+        )
+        down = [(e, "down") for e in range(num_experts)]
+        self.w2 = new_parameter(
+            num_experts, hidden_size, intermediate_size, loader=self.weight_loader, shard_ids=down
+        )
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
         expert, which = shard_id

@@ -53,10 +53,15 @@ def tokenizer(tokenizer_dir: Path) -> Tokenizer:
 
 
 def generate(
-    guided: GuidedDecoding, specs: list[GuidedSpec], seed: int, max_steps: int = 200
+    guided: GuidedDecoding, tokenizer: Tokenizer, specs: list[GuidedSpec], seed: int, max_steps: int = 200
 ) -> list[list[int]]:
-    """Sample a batch under the specs from random logits until every grammar terminates."""
+    """Sample a batch under the specs from random logits until every grammar terminates.
+
+    Inside an unbounded JSON string hundreds of tokens are allowed and only '"' closes it, so
+    the random "model" leans towards closing characters to finish in reasonable time."""
     gen = torch.Generator().manual_seed(seed)
+    closers = torch.zeros(VOCAB)
+    closers[[tid for c in '"}]' if (tid := tokenizer.token_to_id(c)) is not None]] = 4.0
     seqs = [
         Sequence(
             WorkerRequest(request_id=f"g{i}", token_ids=[0], max_tokens=max_steps, sampling=SamplingOptions())
@@ -70,7 +75,7 @@ def generate(
     for _ in range(max_steps):
         if not live:
             break
-        logits = 3 * torch.randn(len(live), VOCAB, generator=gen)
+        logits = 3 * torch.randn(len(live), VOCAB, generator=gen) + closers
         guided.apply_mask(logits, [s.request_id for s in live])
         for seq, token in zip(live, sampler(logits, live), strict=True):
             assert guided.accept(seq.request_id, token.token_id)
@@ -89,7 +94,7 @@ def text_of(tokenizer: Tokenizer, ids: list[int]) -> str:
 
 def test_json_schema_outputs_validate(guided: GuidedDecoding, tokenizer: Tokenizer) -> None:
     spec = GuidedSpec(kind="json_schema", value=json.dumps(SCHEMA))
-    outputs = generate(guided, [spec] * 10, seed=0)
+    outputs = generate(guided, tokenizer, [spec] * 10, seed=0)
     for ids in outputs:
         jsonschema.validate(json.loads(text_of(tokenizer, ids)), SCHEMA)
     assert len({tuple(o) for o in outputs}) > 1  # random logits, different valid documents
@@ -105,7 +110,7 @@ def test_json_object_regex_choice_and_grammar(guided: GuidedDecoding, tokenizer:
     ]
     for seed in range(3):
         obj, rx, choice, expr = (
-            text_of(tokenizer, ids) for ids in generate(guided, specs, seed=seed, max_steps=400)
+            text_of(tokenizer, ids) for ids in generate(guided, tokenizer, specs, seed=seed, max_steps=400)
         )
         assert isinstance(json.loads(obj), dict)
         assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", rx)

@@ -196,3 +196,28 @@ def test_validate_rejects_bad_request_fields() -> None:
         validate_request(WorkerRequest(request_id="x", token_ids=[1], max_tokens=4, min_tokens=5), VOCAB)
     with pytest.raises(ValueError, match="max_tokens"):
         validate_request(WorkerRequest(request_id="x", token_ids=[1], max_tokens=0), VOCAB)
+
+
+def reference_top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """vLLM's sort-based definition, row by row."""
+    sorted_logits, order = logits.sort(dim=-1)
+    kth = sorted_logits.gather(1, (logits.shape[-1] - k).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= (1 - p).unsqueeze(1)
+    drop[:, -1] = False
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])  # flat (nucleus wider than the window) to peaked
+def test_top_k_top_p_match_the_sort_definition(scale: float) -> None:
+    from backends.deepinfer.sampler import _apply_top_k_top_p
+
+    gen = torch.Generator().manual_seed(11)
+    vocab, rows = 3000, 12
+    logits = scale * torch.randn(rows, vocab, generator=gen)
+    k = torch.tensor([vocab, 1, 5, 50, 2999, vocab, vocab, 40, vocab, 100, vocab, 7])
+    p = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.99, 1.0, 0.3, 1.0, 0.999, 0.8, 0.6, 0.9])
+    got = torch.isfinite(_apply_top_k_top_p(logits, k, p))
+    expected = torch.isfinite(reference_top_k_top_p(logits, k, p))
+    assert torch.equal(got, expected)

@@ -118,6 +118,9 @@ class WorkerHost:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         with contextlib.suppress(DiscoveryUnavailable):
             await self.discovery.deregister(self.instance_id)
+            # A drain request is for this process only: a restart under a fixed --instance-id
+            # must not find it and drain at once.
+            await self.discovery.delete(drain_key(self.instance_id))
         await self._server.stop()
         await self.engine.stop()
         metrics.forget(self.instance_id)

@@ -178,6 +178,7 @@ async def test_drain_over_real_etcd_and_nats(etcd_url: str, nats_url: str) -> No
         await discovery.close()
         await events.close()
     assert await operator.list("worker") == []
+    assert await operator.get(drain_key("w1")) is None, "a stopped worker clears its drain request"
     await operator.close()
 
 

@@ -32,6 +32,7 @@ class NatsEventPlane(EventPlane):
         self._lock = asyncio.Lock()
         self._subscriptions: set[NatsSubscription] = set()
         self._last_warning = 0.0
+        self._closing = False
 
     async def connection(self) -> Client:
         if self._nc is not None:
@@ -63,6 +64,7 @@ class NatsEventPlane(EventPlane):
         return sub
 
     async def close(self) -> None:
+        self._closing = True  # nats-py reports its own close as a disconnect
         for sub in list(self._subscriptions):
             await sub.close()
         if self._nc is not None:
@@ -81,7 +83,8 @@ class NatsEventPlane(EventPlane):
         self.warn(f"NATS {self.url}: {exc!r}")
 
     async def _on_disconnected(self) -> None:
-        self.warn(f"NATS {self.url}: disconnected, reconnecting")
+        if not self._closing:
+            self.warn(f"NATS {self.url}: disconnected, reconnecting")
 
     async def _on_reconnected(self) -> None:
         log.info("NATS %s: reconnected", self.url)

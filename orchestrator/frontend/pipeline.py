@@ -84,11 +84,9 @@ async def run_choice(job: Job, choice: ChoiceState) -> Outputs:
                 choice.prompt_tokens = delta.usage.prompt_tokens
                 choice.cached_tokens = delta.usage.cached_tokens
             if stop is not None:
-                text, matched = stop.feed(text)
+                text, matched = stop.feed(text, final=finish is not None)
                 if matched:
                     finish = "stop"
-                elif finish is not None:
-                    text += stop.flush()
             if text or finish is not None or delta.logprobs:
                 yield ChoiceOutput(index, text, delta.logprobs, finish)
             if finish is not None:

@@ -19,7 +19,8 @@ def run(stops: list[str], deltas: list[str], include_stop: bool = False) -> tupl
         out.append(text)
         if matched:
             return out, True
-    out.append(matcher.flush())
+    text, matched = matcher.feed("", final=True)
+    out.append(text)
     return out, matched
 
 
@@ -47,18 +48,31 @@ def test_earliest_stop_wins_and_include_stop() -> None:
     assert run(["abc", "bcd"], ["xab", "cd"]) == (["x", ""], True)
 
 
+def test_a_complete_stop_waits_for_a_longer_one_that_began_earlier() -> None:
+    # "a" is complete after "\na", but "\naa" began earlier and may still complete.
+    assert run(["a", "\naa"], ["\na", "a"]) == (["", ""], True)
+    # It does not complete: the shorter, later stop wins, at the end or on the next delta.
+    assert run(["a", "\naa"], ["\na"]) == (["", "\n"], True)
+    assert run(["a", "\naa"], ["\na", "b"]) == (["", "\n"], True)
+
+
+def test_at_equal_starts_the_shortest_stop_wins() -> None:
+    assert run(["abc", "ab"], ["xab", "c"], include_stop=True) == (["xab"], True)
+    assert run(["abc", "ab"], ["xabc"], include_stop=True) == (["xab"], True)
+
+
 def test_after_a_match_nothing_more_is_emitted() -> None:
     matcher = StopStringMatcher(["."])
     assert matcher.feed("One. Two.") == ("One", True)
     assert matcher.stopped
     assert matcher.feed("more") == ("", True)
-    assert matcher.flush() == ""
+    assert matcher.feed("", final=True) == ("", True)
 
 
 def test_no_stops_passes_text_through() -> None:
     matcher = StopStringMatcher([])
     assert matcher.feed("anything") == ("anything", False)
-    assert matcher.flush() == ""
+    assert matcher.feed("", final=True) == ("", False)
 
 
 def test_empty_stop_string_rejected() -> None:
@@ -70,11 +84,19 @@ def test_empty_stop_string_rejected() -> None:
     text=st.text(alphabet="abc\n日", max_size=40),
     stops=st.lists(st.text(alphabet="abc\n日", min_size=1, max_size=4), min_size=1, max_size=3),
     cuts=st.lists(st.integers(min_value=0, max_value=40), max_size=8),
+    include_stop=st.booleans(),
 )
-def test_streamed_result_equals_matching_the_whole_text(text: str, stops: list[str], cuts: list[int]) -> None:
+def test_streamed_result_equals_matching_the_whole_text(
+    text: str, stops: list[str], cuts: list[int], include_stop: bool
+) -> None:
     bounds = [0, *sorted(c for c in cuts if c <= len(text)), len(text)]
     deltas = [text[a:b] for a, b in itertools.pairwise(bounds)]
-    out, matched = run(stops, deltas)
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    out, matched = run(stops, deltas, include_stop)
+    # The whole text at once: the earliest start, and at equal starts the shortest stop.
+    hits = sorted((at, len(s)) for s in stops if (at := text.find(s)) >= 0)
     assert matched == bool(hits)
-    assert "".join(out) == (text[: min(hits)] if hits else text)
+    if not hits:
+        assert "".join(out) == text
+    else:
+        start, length = hits[0]
+        assert "".join(out) == text[: start + length if include_stop else start]

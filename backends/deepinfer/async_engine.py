@@ -34,6 +34,7 @@ from orchestrator.runtime.protocol import (
 logger = logging.getLogger(__name__)
 
 _Item = TokenDelta | EngineError
+_IDLE_POLL_S = 0.005
 
 
 class AsyncEngine:
@@ -123,6 +124,9 @@ class AsyncEngine:
             if outputs:
                 batch = [(o.seq.request_id, _delta(o)) for o in outputs]
                 self._call_soon(self._deliver, batch)
+            elif self.engine.last_step_tokens == 0:
+                # Work exists but none could be scheduled: wait for a change, do not spin.
+                self._wakeup.wait(_IDLE_POLL_S)
 
     def _deliver(self, batch: list[tuple[str, TokenDelta]]) -> None:
         for request_id, delta in batch:

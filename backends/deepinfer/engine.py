@@ -89,6 +89,7 @@ class Engine:
         self._in_flight: set[str] = set()  # request ids in the step being run
         self._release_after_step: list[str] = []
         self.num_preemptions = 0  # sequences sent back to waiting for lack of blocks, ever
+        self.last_step_tokens = 0  # tokens the last step ran (0: nothing could be scheduled)
 
     @property
     def guided(self) -> GuidedDecoding:
@@ -139,6 +140,7 @@ class Engine:
         with self.lock:
             out = self.scheduler.schedule()
             self.num_preemptions += len(out.preempted)
+            self.last_step_tokens = out.num_batched_tokens
             self._in_flight = {c.seq.request_id for c in out.chunks}
         if out.is_empty:
             return []

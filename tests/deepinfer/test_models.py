@@ -207,6 +207,20 @@ def test_bfloat16_is_as_close_to_float32_as_the_reference_in_bfloat16(
     assert (logits - exact).abs().max() <= 1.5 * (theirs - exact).abs().max() + 0.05
 
 
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_loads_a_checkpoint_saved_by_transformers(
+    name: str, tiny_llama_dir: Path, tiny_deepseek_dir: Path, tmp_path: Path
+) -> None:
+    """transformers 5 writes `rope_parameters` instead of `rope_theta`/`rope_scaling`."""
+    ref = reference(tiny_llama_dir if name == "llama" else tiny_deepseek_dir)
+    ref.save_pretrained(tmp_path)
+    runner = make_runner(tmp_path)
+    prompts = random_prompts(runner.vocab_size, (6, 10), seed=8)
+    logits = step(runner, Blocks(runner), [(s, 0, len(s.token_ids), True) for s in make_seqs(prompts)])
+    for row, prompt in zip(logits, prompts, strict=True):
+        torch.testing.assert_close(row, reference_last_logits(ref, prompt), atol=TINY_ATOL, rtol=0)
+
+
 def test_deterministic_mode_logits_ignore_the_batch(tiny_llama_dir: Path) -> None:
     runner = make_runner(tiny_llama_dir, deterministic=True)
     prompts = random_prompts(runner.vocab_size, (9, 5, 14, 2, 8), seed=3)

@@ -57,6 +57,14 @@ def add_frontend_arguments(parser: argparse.ArgumentParser, default_port: int = 
         help=f"retries on another worker after a retryable failure before the first token "
         f"(default {_DEFAULTS.max_retries})",
     )
+    http.add_argument(
+        "--api-key",
+        default=env_default("WEIR_API_KEY"),
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every route but /health, /live and /metrics "
+        "(env WEIR_API_KEY, better than the flag, which other users see in the process list; "
+        "default: no key)",
+    )
     routing = parser.add_argument_group("routing")
     routing.add_argument(
         "--router-mode",
@@ -105,6 +113,7 @@ def frontend_config(args: argparse.Namespace, namespace: str) -> FrontendConfig:
             request_timeout_s=args.request_timeout,
             max_retries=args.max_retries,
             log_level=args.log_level,
+            api_key=args.api_key,
         )
     except ValueError as exc:
         raise SystemExit(f"weir: {exc}") from exc

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Route
 
 from orchestrator.frontend.asgi import DONE_EVENT, ClientGone, Exchange, Receive, Scope, Send, read_body
+from orchestrator.frontend.auth import ApiKeyMiddleware
 from orchestrator.frontend.config import FrontendConfig
 from orchestrator.frontend.errors import (
     BodyTimeout,
@@ -129,6 +130,8 @@ def build_app(
     )
     _add_routes(app, state)
     _add_error_handlers(app)
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     return app
 
 

@@ -24,6 +24,9 @@ class FrontendConfig:
     # Attempts on other workers after a retryable failure before the first token.
     max_retries: int = 1
     log_level: str = "warning"
+    # When set, every route but /health, /live and /metrics needs `Authorization: Bearer <key>`
+    # (auth.py). Kept out of repr so it never reaches a log line.
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.router_mode not in ROUTER_MODES:
@@ -38,3 +41,5 @@ class FrontendConfig:
             raise ValueError("max_body_bytes must be positive")
         if self.max_retries < 0:
             raise ValueError("max_retries must be >= 0")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty or blank; leave it unset to accept any request")

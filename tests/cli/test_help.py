@@ -9,7 +9,7 @@ import importlib.util
 
 import pytest
 
-from orchestrator.cli.main import COMMANDS, main
+from orchestrator.cli.main import COMMANDS, build_parser, main
 from tests.cli.procs import weir
 
 
@@ -43,10 +43,29 @@ def test_subcommand_help(command: str, capsys: pytest.CaptureFixture[str]) -> No
 @pytest.mark.parametrize(
     ("command", "variables"),
     [
-        ("serve", ["WEIR_HOST", "WEIR_PORT", "WEIR_WORKERS", "WEIR_BACKEND", "WEIR_MODEL", "WEIR_LOG_LEVEL"]),
+        (
+            "serve",
+            [
+                "WEIR_HOST",
+                "WEIR_PORT",
+                "WEIR_WORKERS",
+                "WEIR_BACKEND",
+                "WEIR_MODEL",
+                "WEIR_LOG_LEVEL",
+                "WEIR_API_KEY",
+            ],
+        ),
         (
             "frontend",
-            ["WEIR_HOST", "WEIR_PORT", "WEIR_ROUTER_MODE", "WEIR_ETCD", "WEIR_NATS", "WEIR_NAMESPACE"],
+            [
+                "WEIR_HOST",
+                "WEIR_PORT",
+                "WEIR_ROUTER_MODE",
+                "WEIR_ETCD",
+                "WEIR_NATS",
+                "WEIR_NAMESPACE",
+                "WEIR_API_KEY",
+            ],
         ),
         ("worker", ["WEIR_BACKEND", "WEIR_MODEL", "WEIR_ROLE", "WEIR_ETCD", "WEIR_NATS", "WEIR_LEASE_TTL"]),
     ],
@@ -78,3 +97,16 @@ def test_bad_flag_value_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> 
 def test_missing_model_directory_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--backend", "mocker", "--model", "/nonexistent/model"]) == 2
     assert "neither a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["serve", "frontend"])
+def test_api_key_flag_wins_over_the_environment(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from orchestrator.cli.frontend import frontend_config
+
+    monkeypatch.setenv("WEIR_API_KEY", "from-env")
+    args = build_parser(only=command).parse_args([command])
+    assert frontend_config(args, "ns").api_key == "from-env"
+    args = build_parser(only=command).parse_args([command, "--api-key", "from-flag"])
+    assert frontend_config(args, "ns").api_key == "from-flag"
+    monkeypatch.delenv("WEIR_API_KEY")
+    assert frontend_config(build_parser(only=command).parse_args([command]), "ns").api_key is None

@@ -113,6 +113,21 @@ def test_signal_stops_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
     assert "Traceback" not in output, output
 
 
+def test_api_key_from_the_environment(tmp_path: Path) -> None:
+    port = free_port()
+    log = tmp_path / "serve.log"
+    env = {"WEIR_API_KEY": "sk-from-env"}
+    with weir_process("serve", *MOCKER, "--port", str(port), log=log, env=env) as proc:
+        base_url = f"http://127.0.0.1:{port}"
+        wait_healthy(base_url, proc, log)  # /health needs no key
+        right = openai.OpenAI(base_url=f"{base_url}/v1", api_key="sk-from-env", max_retries=0, timeout=30)
+        assert right.completions.create(model=DEFAULT_MODEL, prompt="hi", max_tokens=2).choices
+        wrong = openai.OpenAI(base_url=f"{base_url}/v1", api_key="sk-other", max_retries=0, timeout=30)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.completions.create(model=DEFAULT_MODEL, prompt="hi", max_tokens=2)
+    assert "sk-from-env" not in log.read_text()
+
+
 @pytest.mark.slow
 def test_default_serve_answers_with_deepinfer(tmp_path: Path) -> None:
     """No flags but --port 0: the default backend (DeepInfer) on the default model, SmolLM2."""

@@ -68,13 +68,15 @@ class MockerCore:
 
     # ------------------------------------------------------------------ requests
 
-    def add(self, request: WorkerRequest) -> None:
-        """Queue a request; ValueError with a client-facing message if it can never run."""
-        self.scheduler.add(request)
+    def add(self, request: WorkerRequest) -> Sequence:
+        """Queue a request and return its sequence; ValueError with a client-facing message if
+        it can never run."""
+        seq = self.scheduler.add(request)
         seed = request.sampling.seed
         self._seeds[request.request_id] = (
             xxhash.xxh3_64_intdigest(request.request_id.encode()) if seed is None else seed
         )
+        return seq
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request and free its blocks; its final output, or None if unknown."""

@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator
 
+from backends.deepinfer.sequence import Sequence
 from backends.mocker.config import MockerConfig
 from backends.mocker.core import MockerCore, RequestOutput
 from orchestrator.runtime.engine import EngineError
@@ -33,9 +34,11 @@ log = logging.getLogger(__name__)
 class _Stream:
     """One request's pending output, drained by its consumer."""
 
-    __slots__ = ("error", "finish_reason", "ready", "token_ids", "usage")
+    __slots__ = ("error", "finish_reason", "first", "ready", "seq", "token_ids", "usage")
 
-    def __init__(self) -> None:
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
+        self.first = True
         self.token_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
         self.usage: Usage | None = None
@@ -58,6 +61,9 @@ class _Stream:
         if self.error is not None:
             raise self.error
         delta = TokenDelta(token_ids=self.token_ids, finish_reason=self.finish_reason, usage=self.usage)
+        if self.first:  # the prefix cache was looked up when the prompt was scheduled
+            self.first = False
+            delta.cached_tokens = self.seq.num_cached_tokens
         self.token_ids = []
         return delta
 
@@ -101,10 +107,10 @@ class MockerEngine:
         if self._task is None:
             raise EngineError("unavailable", "the mocker engine is not running", retryable=True)
         try:
-            self.core.add(request)
+            seq = self.core.add(request)
         except ValueError as exc:
             raise EngineError("invalid_request", str(exc)) from None
-        stream = self._streams[request.request_id] = _Stream()
+        stream = self._streams[request.request_id] = _Stream(seq)
         self._wake.set()
         finished = False
         try:

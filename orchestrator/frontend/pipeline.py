@@ -79,6 +79,8 @@ async def run_choice(job: Job, choice: ChoiceState) -> Outputs:
             choice.completion_tokens += len(ids)
             text = detok.step(ids)
             finish: str | None = delta.finish_reason
+            if delta.cached_tokens is not None:  # the first delta's: survives an early stop
+                choice.cached_tokens = delta.cached_tokens
             if delta.usage is not None:
                 choice.completion_tokens = delta.usage.completion_tokens
                 choice.prompt_tokens = delta.usage.prompt_tokens

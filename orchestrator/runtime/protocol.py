@@ -104,6 +104,10 @@ class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    # The prompt tokens found in the prefix cache, on the FIRST delta of a request (None on
+    # the others, and from engines that report it only in the final `usage`). A caller that
+    # stops early (a stop string) still knows it without waiting for the last delta.
+    cached_tokens: int | None = None
 
 
 class WorkerError(msgspec.Struct, kw_only=True):

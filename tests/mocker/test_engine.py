@@ -147,3 +147,12 @@ async def test_many_engines_share_one_process() -> None:
     by_engine = [[t for d in results[i * 25 + 3] for t in d.token_ids] for i in range(8)]
     assert all(tokens == by_engine[0] for tokens in by_engine)
     assert all(eng.load().active_blocks == 0 for eng in engines)
+
+
+async def test_the_first_delta_carries_the_prompts_cached_tokens(engine: MockerEngine) -> None:
+    await collect(engine.generate(request("warm", prompt=200, max_tokens=2)))
+    deltas = await collect(engine.generate(request("again", prompt=200, max_tokens=4)))
+    final = deltas[-1].usage
+    assert final is not None and final.cached_tokens == 192  # 3 full blocks of 64
+    assert deltas[0].cached_tokens == 192
+    assert all(d.cached_tokens is None for d in deltas[1:])

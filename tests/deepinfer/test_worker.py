@@ -64,6 +64,18 @@ async def test_concurrent_streams_and_cached_tokens(worker: DeepInferWorker) -> 
         assert [t for d in deltas for t in d.token_ids] == [t for d in first for t in d.token_ids]
 
 
+async def test_a_slow_reader_gets_tokens_merged(worker: DeepInferWorker) -> None:
+    req = WorkerRequest(request_id="slow", token_ids=[5, 6, 7], max_tokens=12, ignore_eos=True, logprobs=0)
+    stream = worker.generate(req)
+    first = await anext(stream)
+    while worker.load().active_requests:  # the engine runs ahead while nobody reads
+        await asyncio.sleep(0.01)
+    rest = await collect(stream)
+    assert len(rest) == 1 and rest[0].finish_reason == "length"
+    assert len(first.token_ids) + len(rest[0].token_ids) == 12
+    assert rest[0].logprobs is not None and len(rest[0].logprobs) == len(rest[0].token_ids)
+
+
 async def test_closing_the_stream_frees_blocks_at_once(worker: DeepInferWorker) -> None:
     req = WorkerRequest(request_id="c", token_ids=list(range(3, 70)), max_tokens=500, ignore_eos=True)
     stream = worker.generate(req)

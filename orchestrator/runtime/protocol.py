@@ -110,6 +110,22 @@ class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     cached_tokens: int | None = None
 
 
+def merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
+    """Consecutive deltas of one request as one: tokens and logprobs concatenated, the first
+    one's `cached_tokens`, the last one's `finish_reason` and `usage`."""
+    if len(deltas) == 1:
+        return deltas[0]
+    first, last = deltas[0], deltas[-1]
+    has_logprobs = any(d.logprobs is not None for d in deltas)
+    return TokenDelta(
+        token_ids=[t for d in deltas for t in d.token_ids],
+        logprobs=[lp for d in deltas for lp in d.logprobs or ()] if has_logprobs else None,
+        finish_reason=last.finish_reason,
+        usage=last.usage,
+        cached_tokens=first.cached_tokens,
+    )
+
+
 class WorkerError(msgspec.Struct, kw_only=True):
     """A typed error frame. The request plane raises it on the caller's side as RemoteError."""
 

@@ -82,6 +82,21 @@ async def test_200_interleaved_streams_share_one_connection(server: RequestPlane
     await client.close()
 
 
+async def test_drain_ready_takes_what_has_arrived_without_waiting(server: RequestPlaneServer) -> None:
+    client = RequestPlaneClient()
+    stream = client.stream(address(server), "count", b"d:5")
+    assert stream.drain_ready() == []  # not started: nothing sent, nothing arrived
+    assert await anext(stream) == b"d:0"
+    for _ in range(100):  # let the other four arrive
+        if len(stream._inbox.items) == 4:
+            break
+        await asyncio.sleep(0.01)
+    assert stream.drain_ready() == [b"d:1", b"d:2", b"d:3", b"d:4"]
+    assert stream.drain_ready() == []
+    assert [chunk async for chunk in stream] == []  # then the end of the stream
+    await client.close()
+
+
 async def test_aclose_cancels_the_server_handler(server: RequestPlaneServer) -> None:
     client = RequestPlaneClient()
     stream = client.stream(address(server), "forever", b"")

@@ -116,6 +116,16 @@ class ResponseStream:
                 raise
         return inbox.items.popleft()
 
+    def drain_ready(self) -> list[bytes]:
+        """The payloads that have already arrived, without waiting (none before the first
+        `__anext__`). Lets a caller handle a burst of frames as one item."""
+        items = self._inbox.items
+        if not items:
+            return []
+        ready = list(items)
+        items.clear()
+        return ready
+
     async def aclose(self) -> None:
         self._cancel()
 

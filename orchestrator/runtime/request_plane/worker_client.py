@@ -14,7 +14,7 @@ from typing import Protocol
 import msgspec
 
 from orchestrator.runtime.engine import Engine, EngineError
-from orchestrator.runtime.protocol import KvSnapshot, TokenDelta, WorkerRequest
+from orchestrator.runtime.protocol import KvSnapshot, TokenDelta, WorkerRequest, merge_deltas
 from orchestrator.runtime.request_plane.client import RequestPlaneClient, ResponseStream
 from orchestrator.runtime.request_plane.errors import RemoteError
 
@@ -33,7 +33,10 @@ class WorkerClient(Protocol):
 
 
 class _DeltaStream:
-    """Decodes a response stream into TokenDeltas; a plain class, so no generator frame per item."""
+    """Decodes a response stream into TokenDeltas; a plain class, so no generator frame per item.
+
+    Frames that arrived together (the worker got ahead of the caller) come out as one merged
+    delta, so the caller detokenizes and writes once per burst instead of once per frame."""
 
     __slots__ = ("_inner",)
 
@@ -45,8 +48,11 @@ class _DeltaStream:
 
     async def __anext__(self) -> TokenDelta:
         payload = await self._inner.__anext__()
+        more = self._inner.drain_ready()
         try:
-            return _decode_delta(payload)
+            if not more:
+                return _decode_delta(payload)
+            return merge_deltas([_decode_delta(payload), *map(_decode_delta, more)])
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             await self._inner.aclose()
             raise RemoteError("internal", f"undecodable delta from worker: {exc}") from exc

@@ -53,10 +53,10 @@ class ModelRunner:
     only on the sequence itself (and on how its prefill was chunked, so the scheduler must
     chunk a prompt the same way whatever else is running). The cost is the batching: step time
     grows with the number of sequences instead of staying nearly flat. Measured on one CPU
-    thread (CPU time, `benchmarks/model_runner.py`): 32 sequences of 128 prompt
-    tokens -> 128 tokens on the tiny Llama (hidden 256, 4 layers) took 4-6x longer (runs vary
-    on a shared machine); SmolLM2-135M, 16 x 128 -> 16, 2.2-2.4x. On a GPU, where a batched step costs about what one sequence does, the
-    factor approaches the batch size.
+    thread (CPU time, `benchmarks/model_runner.py`): 32 sequences of 128 prompt tokens -> 128
+    tokens on the tiny Llama (hidden 256, 4 layers) took 4-6x longer (runs vary on a shared
+    machine); SmolLM2-135M, 16 x 128 -> 16, 2.2-2.4x. On a GPU, where a batched step costs
+    about what one sequence does, the factor approaches the batch size.
     """
 
     def __init__(self, config: EngineConfig) -> None:

@@ -24,6 +24,9 @@ class FrontendConfig:
     # Attempts on other workers after a retryable failure before the first token.
     max_retries: int = 1
     log_level: str = "warning"
+    # Tokenizers fetched from workers whose model directory is not on this machine
+    # (tokenizer_files.py); None: $WEIR_CACHE_DIR/tokenizers, else ~/.cache/weir/tokenizers.
+    tokenizer_cache_dir: str | None = None
     # When set, every route but /health, /live and /metrics needs `Authorization: Bearer <key>`
     # (auth.py). Kept out of repr so it never reaches a log line.
     api_key: str | None = field(default=None, repr=False)

@@ -1,8 +1,9 @@
 """Models come and go with their workers.
 
 The registry follows `Discovery.watch("worker")`: the first worker of a model creates its
-entry (the preprocessor, loaded once per model path, and a router built by `routing`); the
-last worker leaving removes it. Worker clients are made by a factory, so embedded workers are
+entry (the preprocessor, loaded once per model path, from the worker's files when the path is
+not on this machine: tokenizer_files.py; and a router built by `routing`); the last worker
+leaving removes it. Worker clients are made by a factory, so embedded workers are
 called in-process and remote ones over the request plane."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from orchestrator.frontend.metrics import Metrics, ModelMetrics
 from orchestrator.frontend.preprocessor import Preprocessor
 from orchestrator.frontend.prompts import max_prompt_chars
 from orchestrator.frontend.routing import ModelRouting, build_router
+from orchestrator.frontend.tokenizer_files import cache_root, tokenizer_dir
 from orchestrator.runtime.discovery import Discovery, DiscoveryEvent
 from orchestrator.runtime.events import EventPlane
 from orchestrator.runtime.protocol import Instance, KvSnapshot, ModelCard
@@ -63,6 +65,7 @@ class ModelRegistry:
         self.metrics = metrics
         self.models: dict[str, ModelEntry] = {}
         self._workers: dict[str, Instance] = {}  # routable workers by instance id
+        self._tokenizer_cache = cache_root(config.tokenizer_cache_dir)
 
     def get(self, name: str) -> ModelEntry:
         entry = self.models.get(name)
@@ -101,11 +104,14 @@ class ModelRegistry:
         await self.add_worker(instance, card)
 
     async def add_worker(self, instance: Instance, card: ModelCard) -> None:
+        client = self.client_factory(instance)
         entry = self.models.get(card.name)
         if entry is None:
             # `follow` applies events one at a time, so no other event creates it meanwhile.
-            entry = self.models[card.name] = await self._new_model(card)
-        entry.workers[instance.instance_id] = self.client_factory(instance)
+            entry = self.models[card.name] = await self._new_model(card, client)
+        elif entry.preprocessor is None:  # the first worker could not provide one: ask this one
+            entry.preprocessor, entry.max_prompt_chars = await self._preprocessor(card, client)
+        entry.workers[instance.instance_id] = client
         router = entry.routing.router
         router.add_worker(instance.instance_id, card.total_kv_blocks)
         router.set_draining(instance.instance_id, instance.draining)
@@ -146,14 +152,20 @@ class ModelRegistry:
 
         return fetch_snapshot
 
-    async def _new_model(self, card: ModelCard) -> ModelEntry:
-        preprocessor, max_chars = None, 0
-        if card.model_path:
-            try:
-                preprocessor = await asyncio.to_thread(Preprocessor.load, card.model_path)
-                max_chars = await asyncio.to_thread(max_prompt_chars, preprocessor, card.context_length)
-            except Exception:
-                log.exception("cannot load the tokenizer of %s from %s", card.name, card.model_path)
+    async def _preprocessor(self, card: ModelCard, client: WorkerClient) -> tuple[Preprocessor | None, int]:
+        """The model's preprocessor and longest useful prompt text; (None, 0) if it has none."""
+        if not card.model_path:
+            return None, 0
+        try:
+            model_dir = await tokenizer_dir(card.name, card.model_path, client, self._tokenizer_cache)
+            preprocessor = await asyncio.to_thread(Preprocessor.load, model_dir)
+            return preprocessor, await asyncio.to_thread(max_prompt_chars, preprocessor, card.context_length)
+        except Exception:
+            log.exception("cannot load the tokenizer of %s (%s)", card.name, card.model_path)
+            return None, 0
+
+    async def _new_model(self, card: ModelCard, client: WorkerClient) -> ModelEntry:
+        preprocessor, max_chars = await self._preprocessor(card, client)
         fetch = self._fetcher(card.name)
         routing = await build_router(self.config, card, self.events, fetch, self.metrics.router)
         metrics = self.metrics.for_model(card.name)

@@ -199,7 +199,8 @@ class LoadReport(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What a worker serves. `model_path` names a directory holding tokenizer.json and
-    tokenizer_config.json (chat template) that the frontend reads."""
+    tokenizer_config.json (chat template) that the frontend reads, from its own disk or
+    through the worker's `model_files` endpoint."""
 
     name: str
     model_path: str | None = None
@@ -211,6 +212,15 @@ class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     total_kv_blocks: int = 0
     max_num_seqs: int = 0
     eos_token_ids: list[int] = []
+
+
+class ModelFiles(msgspec.Struct, kw_only=True):
+    """The tokenizer files of a worker's `card.model_path` (file name -> content), answered on
+    the request plane's `model_files` endpoint for a frontend that cannot read the worker's
+    disk: tokenizer.json, tokenizer_config.json, generation_config.json, config.json and
+    chat_template.jinja, each when present. Never weights."""
+
+    files: dict[str, bytes] = {}
 
 
 class Instance(msgspec.Struct, kw_only=True, omit_defaults=True):

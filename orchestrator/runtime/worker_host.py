@@ -1,7 +1,8 @@
 """Serves one `Engine` as a worker: request plane, discovery, KV events, load, drain.
 
 Endpoints on the request plane: `generate` (msgpack WorkerRequest -> msgpack TokenDelta
-stream; an EngineError becomes a typed error frame) and `kv_snapshot` (-> one KvSnapshot).
+stream; an EngineError becomes a typed error frame), `kv_snapshot` (-> one KvSnapshot) and
+`model_files` (-> one ModelFiles: the card's tokenizer files, for a frontend on another disk).
 
 Every ~15 ms the host takes the engine's KV event batches and publishes them on
 `subject(ns, model, "kv")`, and publishes a LoadReport on `.load` when it changed or a second
@@ -31,8 +32,15 @@ from orchestrator.runtime import worker_metrics as metrics
 from orchestrator.runtime.discovery import Discovery, DiscoveryUnavailable, drain_key, drained_key
 from orchestrator.runtime.engine import Engine, EngineError
 from orchestrator.runtime.events import EventPlane
+from orchestrator.runtime.model_files import read_model_files
 from orchestrator.runtime.protocol import Instance, LoadReport, WorkerRequest, subject
-from orchestrator.runtime.request_plane import GENERATE, KV_SNAPSHOT, RemoteError, RequestPlaneServer
+from orchestrator.runtime.request_plane import (
+    GENERATE,
+    KV_SNAPSHOT,
+    MODEL_FILES,
+    RemoteError,
+    RequestPlaneServer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +82,9 @@ class WorkerHost:
         self.instance: Instance | None = None
         self.in_flight = 0
         self.draining = False
-        self._server = RequestPlaneServer({GENERATE: self._generate, KV_SNAPSHOT: self._kv_snapshot})
+        self._server = RequestPlaneServer(
+            {GENERATE: self._generate, KV_SNAPSHOT: self._kv_snapshot, MODEL_FILES: self._model_files}
+        )
         self._idle = asyncio.Event()
         self._idle.set()
         self._drained: asyncio.Future[None] | None = None
@@ -173,6 +183,13 @@ class WorkerHost:
         snapshot = self.engine.kv_snapshot()
         snapshot.worker_id = self.instance_id
         yield _encode(snapshot)
+
+    async def _model_files(self, payload: bytes) -> AsyncIterator[bytes]:
+        try:
+            files = await asyncio.to_thread(read_model_files, self.engine.card.model_path)
+        except (OSError, ValueError) as exc:
+            raise RemoteError("internal", f"cannot read the tokenizer files: {exc}") from exc
+        yield _encode(files)
 
     # ------------------------------------------------------------------ background
 

@@ -23,8 +23,8 @@ class FakeEngine:
     """Request i streams tokens prompt_len, prompt_len+1, ... one per `step_s`. Each request
     stores one KV block named by its first prompt token; `token_ids=[]` is rejected."""
 
-    def __init__(self, name: str = "fake-model", step_s: float = 0.0) -> None:
-        self._card = ModelCard(name=name, block_size=4, total_kv_blocks=100)
+    def __init__(self, name: str = "fake-model", step_s: float = 0.0, model_path: str | None = None) -> None:
+        self._card = ModelCard(name=name, model_path=model_path, block_size=4, total_kv_blocks=100)
         self.step_s = step_s
         self.started = False
         self.stopped = False

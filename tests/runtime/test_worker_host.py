@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import TypeVar
 
 import httpx
@@ -110,6 +111,30 @@ async def test_frames_that_arrived_together_come_out_as_one_delta(host: WorkerHo
     assert rest[0].token_ids == list(range(4, 23))
     assert rest[0].finish_reason == "length"
     assert rest[0].usage is not None and rest[0].usage.completion_tokens == 20
+    await client.close()
+
+
+async def test_model_files_sends_the_tokenizer_files_and_no_weights(
+    planes: tuple[Discovery, EventPlane], tmp_path: Path
+) -> None:
+    sent = {"tokenizer.json": b'{"model": {}}', "tokenizer_config.json": b"{}", "config.json": b"{}"}
+    for name, content in {**sent, "model.safetensors": b"weights", "vocab.txt": b"a"}.items():
+        (tmp_path / name).write_bytes(content)
+    engine = FakeEngine(model_path=str(tmp_path))
+    h = WorkerHost(engine, *planes, namespace="test", instance_id="files")
+    await h.start()
+    client = RequestPlaneClient()
+    try:
+        assert (await TcpWorkerClient(client, h.address).model_files()).files == sent
+        assert (await LocalWorkerClient(engine).model_files()).files == sent
+    finally:
+        await client.close()
+        await h.stop()
+
+
+async def test_model_files_without_a_model_path_is_empty(host: WorkerHost) -> None:
+    client = RequestPlaneClient()
+    assert (await TcpWorkerClient(client, host.address).model_files()).files == {}
     await client.close()
 
 

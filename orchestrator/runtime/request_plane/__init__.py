@@ -8,6 +8,7 @@ from orchestrator.runtime.request_plane.server import Handler, RequestPlaneServe
 from orchestrator.runtime.request_plane.worker_client import (
     GENERATE,
     KV_SNAPSHOT,
+    MODEL_FILES,
     LocalWorkerClient,
     TcpWorkerClient,
     WorkerClient,
@@ -16,6 +17,7 @@ from orchestrator.runtime.request_plane.worker_client import (
 __all__ = [
     "GENERATE",
     "KV_SNAPSHOT",
+    "MODEL_FILES",
     "Handler",
     "LocalWorkerClient",
     "RemoteError",

@@ -1,35 +1,41 @@
 """Typed calls to a worker: what the frontend and the router use.
 
-`TcpWorkerClient` goes over the request plane (endpoints `generate` and `kv_snapshot`, msgpack
-`WorkerRequest` in, msgpack `TokenDelta`s out); `LocalWorkerClient` calls an in-process engine
-directly (embedded mode). Both raise `RemoteError` for every failure and cancel the request
-when the delta iterator is closed early.
+`TcpWorkerClient` goes over the request plane (endpoints `generate`: msgpack `WorkerRequest`
+in, msgpack `TokenDelta`s out; `kv_snapshot` and `model_files`: one struct out);
+`LocalWorkerClient` calls an in-process engine directly (embedded mode). Both raise
+`RemoteError` for every failure and cancel the request when the delta iterator is closed early.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Protocol
 
 import msgspec
 
 from orchestrator.runtime.engine import Engine, EngineError
-from orchestrator.runtime.protocol import KvSnapshot, TokenDelta, WorkerRequest, merge_deltas
+from orchestrator.runtime.model_files import read_model_files
+from orchestrator.runtime.protocol import KvSnapshot, ModelFiles, TokenDelta, WorkerRequest, merge_deltas
 from orchestrator.runtime.request_plane.client import RequestPlaneClient, ResponseStream
 from orchestrator.runtime.request_plane.errors import RemoteError
 
 GENERATE = "generate"
 KV_SNAPSHOT = "kv_snapshot"
+MODEL_FILES = "model_files"
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode_delta = msgspec.msgpack.Decoder(TokenDelta).decode
 _decode_snapshot = msgspec.msgpack.Decoder(KvSnapshot).decode
+_decode_model_files = msgspec.msgpack.Decoder(ModelFiles).decode
 
 
 class WorkerClient(Protocol):
     def generate(self, request: WorkerRequest) -> AsyncIterator[TokenDelta]: ...
 
     async def kv_snapshot(self) -> KvSnapshot: ...
+
+    async def model_files(self) -> ModelFiles: ...
 
 
 class _DeltaStream:
@@ -70,14 +76,20 @@ class TcpWorkerClient:
         return _DeltaStream(self.client.stream(self.address, GENERATE, _encode(request)))
 
     async def kv_snapshot(self) -> KvSnapshot:
-        stream = self.client.stream(self.address, KV_SNAPSHOT, b"")
+        return _decode_snapshot(await self._call(KV_SNAPSHOT))
+
+    async def model_files(self) -> ModelFiles:
+        return _decode_model_files(await self._call(MODEL_FILES))
+
+    async def _call(self, endpoint: str) -> bytes:
+        """The one payload a single-answer endpoint sends."""
+        stream = self.client.stream(self.address, endpoint, b"")
         try:
-            payload = await stream.__anext__()
+            return await stream.__anext__()
         except StopAsyncIteration:
-            raise RemoteError("internal", "worker sent no snapshot") from None
+            raise RemoteError("internal", f"worker sent no answer to {endpoint}") from None
         finally:
             await stream.aclose()
-        return _decode_snapshot(payload)
 
 
 class _LocalDeltaStream:
@@ -112,3 +124,6 @@ class LocalWorkerClient:
 
     async def kv_snapshot(self) -> KvSnapshot:
         return self.engine.kv_snapshot()
+
+    async def model_files(self) -> ModelFiles:
+        return await asyncio.to_thread(read_model_files, self.engine.card.model_path)

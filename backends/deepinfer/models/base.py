@@ -7,7 +7,7 @@ name, apart from the fusions listed in `packed_modules_mapping`.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,10 +16,6 @@ from backends.deepinfer.forward_batch import ForwardBatch
 from backends.deepinfer.hf_config import HFConfig
 from backends.deepinfer.layers.embed import LMHead, VocabEmbedding
 from backends.deepinfer.layers.norm import RMSNorm
-
-
-class AttentionBlock(Protocol):
-    def __call__(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor: ...
 
 
 class DecoderLayer(nn.Module):

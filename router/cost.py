@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from router.protocols import WorkerLoad
@@ -47,15 +47,27 @@ def cached_blocks(hit_blocks: int, lower_hit_blocks: int, params: CostParams) ->
 
 
 def costs(
-    request_blocks: float, cached: Sequence[float], active: Sequence[int], params: CostParams
+    request_blocks: float,
+    cached: Mapping[int, float] | Sequence[float],
+    active: Sequence[int],
+    params: CostParams,
 ) -> list[float]:
-    """The cost of each candidate from parallel lists of credited hits and active blocks
-    (the per-decision hot loop, so it makes no calls per worker)."""
+    """The cost of each candidate from its active blocks and credited hits: `cached` is
+    parallel to `active`, or a mapping from candidate index to hits for the few candidates
+    that have any (the per-decision path: every other candidate costs the same cold prefill
+    plus its active blocks, one addition each)."""
     weight = params.overlap_weight
-    return [
-        weight * (request_blocks - c if request_blocks > c else 0.0) + a
-        for c, a in zip(cached, active, strict=True)
-    ]
+    cold = weight * (request_blocks if request_blocks > 0 else 0.0)
+    out = [cold + a for a in active]
+    if isinstance(cached, Mapping):
+        hits: Iterable[tuple[int, float]] = cached.items()
+    else:
+        if len(cached) != len(active):
+            raise ValueError("cached and active differ in length")
+        hits = enumerate(cached)
+    for i, c in hits:
+        out[i] = weight * (request_blocks - c if request_blocks > c else 0.0) + active[i]
+    return out
 
 
 def busy(loads: Sequence[WorkerLoad], params: CostParams) -> list[bool]:
@@ -72,6 +84,8 @@ def choose(costs: Sequence[float], loads: Sequence[int], temperature: float, rng
     if temperature > 0:
         return _sample(costs, temperature, rng)
     best = min(costs)
+    if costs.count(best) == 1:  # the usual case, answered without a Python loop
+        return costs.index(best)
     tied = [i for i, c in enumerate(costs) if c == best]
     if len(tied) > 1:
         least = min(loads[i] for i in tied)

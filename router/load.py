@@ -10,6 +10,7 @@ replica that died without finishing its requests expires after `peer_ttl_s`.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,18 +45,23 @@ class LoadTracker:
         self.peer_ttl_s = peer_ttl_s
         self._clock = clock
         self.workers: dict[str, WorkerLoad] = {}
+        # Workers marked draining, kept apart so a decision checks one set, not every worker.
+        self.draining: set[str] = set()
         self._requests: dict[str, _Request] = {}
-        self._held: dict[str, dict[int, int]] = {}  # worker -> seq hash -> in-flight requests
+        # worker -> seq hash -> in-flight requests. A Counter for its C-level `update`; entries
+        # are deleted with dict.pop, as Counter's own __delitem__ is Python code.
+        self._held: dict[str, Counter[int]] = {}
         self._peers: dict[tuple[str, str], _PeerRequest] = {}
 
     def add_worker(self, worker_id: str, total_blocks: int = 0) -> WorkerLoad:
         load = self.workers.setdefault(worker_id, WorkerLoad(total_blocks=total_blocks))
         load.refresh()
-        self._held.setdefault(worker_id, {})
+        self._held.setdefault(worker_id, Counter())
         return load
 
     def remove_worker(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
+        self.draining.discard(worker_id)
         self._held.pop(worker_id, None)
         for request_id in [r for r, req in self._requests.items() if req.worker_id == worker_id]:
             del self._requests[request_id]
@@ -70,8 +76,19 @@ class LoadTracker:
         load.waiting_requests = report.waiting_requests
         load.active_blocks = report.active_blocks
         load.total_blocks = report.total_blocks or load.total_blocks
-        load.draining = load.draining or report.draining
         load.refresh()
+        if report.draining:
+            self.set_draining(report.worker_id, True)
+
+    def set_draining(self, worker_id: str, draining: bool) -> None:
+        load = self.workers.get(worker_id)
+        if load is None:
+            return
+        load.draining = draining
+        if draining:
+            self.draining.add(worker_id)
+        else:
+            self.draining.discard(worker_id)
 
     # ------------------------------------------------------------------ own requests
 
@@ -85,9 +102,7 @@ class LoadTracker:
         held = self._held[worker_id]
         load = self.workers[worker_id]
         before = len(held)
-        get = held.get
-        for seq_hash in hashes:
-            held[seq_hash] = get(seq_hash, 0) + 1
+        held.update(hashes)
         new = len(held) - before  # blocks no other in-flight request on this worker holds
         load.inflight_requests += 1
         load.inflight_blocks += new + tail
@@ -100,10 +115,13 @@ class LoadTracker:
         if request_id is None:
             # Callers that do not name the request: release the oldest one on that worker.
             request_id = next((r for r, req in self._requests.items() if req.worker_id == worker_id), None)
-        request = self._requests.pop(request_id, None) if request_id is not None else None
+        request = self._requests.get(request_id) if request_id is not None else None
         load = self.workers.get(worker_id)
-        if request is None or load is None or request_id is None:
+        if request is None or request_id is None or load is None or request.worker_id != worker_id:
+            # Unknown, or the end of an earlier placement of a reused id, released when the
+            # id was routed again: the blocks counted now belong to the later placement.
             return None
+        del self._requests[request_id]
         held = self._held[worker_id]
         freed = request.tail_blocks
         for seq_hash in request.hashes:
@@ -111,7 +129,7 @@ class LoadTracker:
             if n:
                 held[seq_hash] = n
             else:
-                del held[seq_hash]
+                held.pop(seq_hash)
                 freed += 1
         load.inflight_requests -= 1
         load.inflight_blocks -= freed

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from orchestrator.runtime.protocol import KvEventBatch, KvSnapshot, LoadReport
@@ -27,7 +27,7 @@ from router.policies.kv import KvPolicy, OverlapIndex
 from router.policies.least_loaded import LeastLoadedPolicy
 from router.policies.random import RandomPolicy
 from router.policies.round_robin import RoundRobinPolicy
-from router.protocols import Decision, InflightUpdate, NoWorkerAvailable, RouteRequest
+from router.protocols import Decision, InflightUpdate, NoWorkerAvailable, RouteRequest, WorkerLoad
 
 MODES = ("kv", "round-robin", "random", "least-loaded", "direct")
 log = logging.getLogger(__name__)
@@ -136,14 +136,16 @@ class Router:
             self.index.remove_worker(worker_id)
 
     def set_draining(self, worker_id: str, draining: bool) -> None:
-        if worker_id in self.workers:
-            self.workers[worker_id].draining = draining
+        self.loads.set_draining(worker_id, draining)
 
     # ------------------------------------------------------------------ requests
 
     def select(self, request: RouteRequest) -> Decision:
         started = time.perf_counter()
-        candidates = {w: load for w, load in self.workers.items() if not load.draining}
+        # The worker dict itself unless some are left out: no per-decision copy in the usual case.
+        candidates: Mapping[str, WorkerLoad] = self.workers
+        if draining := self.loads.draining:
+            candidates = {w: load for w, load in candidates.items() if w not in draining}
         if not candidates:
             raise NoWorkerAvailable("no worker is available for this model")
         if isinstance(self.index, KvIndexer) and self.index.joining:

@@ -36,18 +36,21 @@ class KvPolicy:
     def select(self, request: RouteRequest, workers: Mapping[str, WorkerLoad]) -> Decision:
         matches = self.index.find_matches(request.block_hashes)
         params = self.params
-        pool = list(workers)
-        loads = list(workers.values())
-        saturated = busy(loads, params)
+        saturated = busy(list(workers.values()), params)
         if any(saturated) and not all(saturated):  # all busy: queue on the cheapest, not fail
-            pool = [w for w, full in zip(pool, saturated, strict=True) if not full]
-            loads = [load for load, full in zip(loads, saturated, strict=True) if not full]
-        active = [load.blocks for load in loads]
+            workers = {
+                w: load for (w, load), full in zip(workers.items(), saturated, strict=True) if not full
+            }
+        pool = list(workers)
+        active = [load.blocks for load in workers.values()]
+        # Only the few workers holding part of the prompt get a hit term; pool.index is a
+        # C-level scan, cheaper than mapping every worker to its position per decision.
         hits, lower = matches.blocks, matches.lower
-        if lower:
-            cached = [cached_blocks(hits.get(w, 0), lower.get(w, 0), params) for w in pool]
-        else:
-            cached = [hits.get(w, 0) for w in pool]
+        cached = {
+            pool.index(w): cached_blocks(n, lower.get(w, 0), params) if lower else n
+            for w, n in hits.items()
+            if w in workers
+        }
         worker_costs = costs(request.num_tokens / self.block_size, cached, active, params)
         index = choose(worker_costs, active, params.temperature, self._rng)
         chosen = pool[index]

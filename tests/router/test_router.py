@@ -120,6 +120,18 @@ def test_inflight_blocks_count_shared_prefixes_once() -> None:
     assert loads.workers["w"].inflight_blocks == 0 == loads.workers["w"].inflight_requests
 
 
+def test_a_reused_request_id_finishing_its_first_placement_leaves_the_second_counted() -> None:
+    loads = LoadTracker("r", BS)
+    for w in ("w1", "w2"):
+        loads.add_worker(w)
+    loads.on_routed("w1", req("a", list(range(8))))
+    loads.on_routed("w2", req("a", list(range(100, 112))))  # the id again: w1's placement is released
+    assert loads.on_finish("w1", "a") is None  # the first placement's late finish
+    assert (loads.workers["w1"].inflight_blocks, loads.workers["w2"].inflight_blocks) == (0, 3)
+    assert loads.on_finish("w2", "a") is not None
+    assert loads.workers["w2"].inflight_blocks == 0 == loads.workers["w2"].inflight_requests
+
+
 def test_replicas_share_inflight_load_and_expire_dead_ones() -> None:
     now = [0.0]
     loads = LoadTracker("me", BS, peer_ttl_s=10, clock=lambda: now[0])

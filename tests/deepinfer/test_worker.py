@@ -167,3 +167,38 @@ async def test_smollm2_knows_the_capital_of_france(smollm2_dir: Path) -> None:
         await w.stop()
     answer = pre.decode([t for d in deltas for t in d.token_ids])
     assert "Paris" in answer, answer
+
+
+@pytest.mark.slow
+def test_smollm2_json_schema_through_the_openai_client(smollm2_dir: Path) -> None:
+    """OpenAI client -> frontend -> DeepInfer worker: response_format json_schema, real model."""
+    import json
+
+    import jsonschema
+    import openai
+
+    from tests.frontend.live_frontend import MODEL, live_frontend
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 40},
+            "country": {"type": "string", "maxLength": 40},
+        },
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
+    config = EngineConfig(model=str(smollm2_dir), served_model_name=MODEL, device="cpu", num_kv_blocks=128)
+    with live_frontend(smollm2_dir, num_workers=1, engine_factory=lambda: DeepInferWorker(config)) as live:
+        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Which city is the capital of France? Answer in JSON."}],
+            max_tokens=60,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}},
+        )
+    doc = json.loads(reply.choices[0].message.content or "")
+    jsonschema.validate(doc, schema)
+    assert reply.choices[0].finish_reason == "stop"
+    assert "Paris" in doc["city"], doc

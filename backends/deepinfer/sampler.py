@@ -196,35 +196,47 @@ class Sampler:
 # ---------------------------------------------------------------------- stages as pure functions
 
 
-def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """(len(rows), vocab) occurrence counts; rows are padded with an id past the vocabulary."""
-    width = max((len(r) for r in rows), default=0)
-    counts = torch.zeros(len(rows), vocab_size + 1, device=device)
-    if width:
-        padded = torch.tensor([r + [vocab_size] * (width - len(r)) for r in rows], device=device)
-        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
-    return counts[:, :vocab_size]
+def _padded_ids(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of token ids as one (len(rows), width) tensor, each padded with its own first id
+    (so a scatter of per-id values writes the same value twice, never a conflicting one), an
+    empty row with 0; and which rows are non-empty."""
+    width = max(1, max(len(r) for r in rows))
+    padded = [r + [r[0] if r else 0] * (width - len(r)) for r in rows]
+    nonempty = torch.tensor([bool(r) for r in rows], device=device).unsqueeze(1)
+    return torch.tensor(padded, device=device), nonempty
 
 
 def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Penalties touch only the ids a row has seen: gathers and scatters over (rows, tokens
+    seen), not passes over the whole vocabulary."""
     params = [seq.request.sampling for seq in seqs]
-    use_rep = any(p.repetition_penalty != 1.0 for p in params)
-    use_freq_pres = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
-    if not (use_rep or use_freq_pres):
+    rep_rows = [p.repetition_penalty != 1.0 for p in params]
+    out_rows = [p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params]
+    if not (any(rep_rows) or any(out_rows)):
         return logits
-    device, vocab = logits.device, logits.shape[-1]
-    output = _token_counts([seq.token_ids[seq.num_prompt_tokens :] for seq in seqs], vocab, device)
-    if use_rep:
-        prompt = _token_counts([seq.token_ids[: seq.num_prompt_tokens] for seq in seqs], vocab, device)
+    device = logits.device
+    logits = logits.clone()
+    if any(rep_rows):
+        ids, nonempty = _padded_ids(
+            [seq.token_ids if r else [] for seq, r in zip(seqs, rep_rows, strict=True)], device
+        )
         rep = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
-        seen = (prompt > 0) | (output > 0)
+        seen = logits.gather(1, ids)
         # Shrink seen tokens' logits towards "less likely" whatever their sign (CTRL / vLLM).
-        penalized = torch.where(logits > 0, logits / rep, logits * rep)
-        logits = torch.where(seen, penalized, logits)
-    if use_freq_pres:
-        freq = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
+        penalized = torch.where(seen > 0, seen / rep, seen * rep)
+        logits.scatter_(1, ids, torch.where(nonempty, penalized, seen))
+    if any(out_rows):
+        outputs = [
+            seq.token_ids[seq.num_prompt_tokens :] if o else [] for seq, o in zip(seqs, out_rows, strict=True)
+        ]
+        ids, nonempty = _padded_ids(outputs, device)
         pres = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
-        logits = logits - freq * output - pres * (output > 0).to(logits.dtype)
+        seen = logits.gather(1, ids)
+        logits.scatter_(1, ids, torch.where(nonempty, seen - pres, seen))  # once per distinct id
+        freq = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
+        lengths = torch.tensor([len(o) for o in outputs], device=device).unsqueeze(1)
+        real = torch.arange(ids.shape[1], device=device).unsqueeze(0) < lengths
+        logits.scatter_add_(1, ids, -freq * real)  # once per occurrence
     return logits
 
 

@@ -221,3 +221,32 @@ def test_top_k_top_p_match_the_sort_definition(scale: float) -> None:
     got = torch.isfinite(_apply_top_k_top_p(logits, k, p))
     expected = torch.isfinite(reference_top_k_top_p(logits, k, p))
     assert torch.equal(got, expected)
+
+
+def test_penalties_match_the_dense_definition() -> None:
+    from backends.deepinfer.sampler import _apply_penalties
+
+    gen = torch.Generator().manual_seed(12)
+    vocab = 50
+    logits = 3 * torch.randn(5, vocab, generator=gen)
+    rows = [
+        make_seq(
+            "a", prompt=[1, 2, 2, 3], generated=[3, 4, 4, 4], repetition_penalty=1.7, frequency_penalty=0.4
+        ),
+        make_seq(
+            "b", prompt=[5], generated=[], presence_penalty=0.9, frequency_penalty=0.3
+        ),  # nothing generated
+        make_seq("c", prompt=[7, 8], generated=[9, 9, 7], presence_penalty=-0.5),  # negative: encourages
+        make_seq("d", prompt=[10, 11], generated=[12]),  # no penalty at all
+        make_seq("e", prompt=[0, 0, 1], generated=[0, 2], repetition_penalty=0.8, presence_penalty=0.2),
+    ]
+    expected = logits.clone()
+    for i, seq in enumerate(rows):
+        p = seq.request.sampling
+        prompt, output = seq.token_ids[: seq.num_prompt_tokens], seq.token_ids[seq.num_prompt_tokens :]
+        for t in set(prompt) | set(output):
+            x = expected[i, t]
+            expected[i, t] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+        for t in set(output):
+            expected[i, t] -= p.frequency_penalty * output.count(t) + p.presence_penalty
+    assert torch.allclose(_apply_penalties(logits, rows), expected, atol=1e-5)

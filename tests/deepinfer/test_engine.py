@@ -178,3 +178,22 @@ def test_invalid_requests_are_rejected_with_a_reason(
     with pytest.raises(ValueError, match=match):
         engine.add(WorkerRequest(**body))
     assert not engine.has_unfinished()
+
+
+def test_min_tokens_holds_back_a_forced_eos(tiny_llama_dir: Path) -> None:
+    engine = make_engine(tiny_llama_dir)
+    eos = engine.eos_token_ids[0]
+    forced = SamplingOptions(temperature=0.0, logit_bias={eos: 100.0})
+    outs = run(
+        engine,
+        [
+            WorkerRequest(request_id="free", token_ids=[5, 6, 7], max_tokens=20, sampling=forced),
+            WorkerRequest(
+                request_id="held", token_ids=[5, 6, 7], max_tokens=20, min_tokens=5, sampling=forced
+            ),
+        ],
+    )
+    held = generated(outs)["held"]
+    assert generated(outs)["free"] == [eos]
+    assert len(held) == 6 and held[-1] == eos and eos not in held[:5]
+    assert outs["held"].seq.finish_reason == outs["free"].seq.finish_reason == "stop"

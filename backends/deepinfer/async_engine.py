@@ -29,6 +29,7 @@ from orchestrator.runtime.protocol import (
     TopLogprob,
     Usage,
     WorkerRequest,
+    merge_deltas,
 )
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class AsyncEngine:
                 errors = [i for i in items if isinstance(i, EngineError)]
                 deltas = [i for i in items if isinstance(i, TokenDelta)]
                 if deltas:
-                    delta = _merge(deltas)
+                    delta = merge_deltas(deltas)
                     finished = delta.finish_reason is not None
                     yield delta
                 if errors:
@@ -180,17 +181,7 @@ def _delta(o: SeqOutput) -> TokenDelta:
         logprobs=logprobs,
         finish_reason=reason,
         usage=_usage(seq) if o.finished else None,
-    )
-
-
-def _merge(deltas: list[TokenDelta]) -> TokenDelta:
-    if len(deltas) == 1:
-        return deltas[0]
-    last = deltas[-1]
-    has_logprobs = any(d.logprobs is not None for d in deltas)
-    return TokenDelta(
-        token_ids=[t for d in deltas for t in d.token_ids],
-        logprobs=[lp for d in deltas for lp in d.logprobs or ()] if has_logprobs else None,
-        finish_reason=last.finish_reason,
-        usage=last.usage,
+        # The first delta says how much of the prompt came from the cache, so the frontend
+        # can report it even when a stop string cancels the request before the final usage.
+        cached_tokens=seq.num_cached_tokens if seq.num_completion_tokens == len(o.new_tokens) else None,
     )

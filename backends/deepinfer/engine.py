@@ -13,13 +13,13 @@ sampling phase may be using them.
 
 from __future__ import annotations
 
-import json
 import threading
 from pathlib import Path
 from typing import Protocol
 
 import torch
 import xgrammar as xgr
+from tokenizers import Tokenizer
 
 from backends.deepinfer.config import EngineConfig
 from backends.deepinfer.guided import GuidedDecoding
@@ -27,33 +27,8 @@ from backends.deepinfer.outputs import SampledToken, SchedulerOutput, SeqOutput
 from backends.deepinfer.sampler import Sampler, validate_request
 from backends.deepinfer.scheduler import Scheduler
 from backends.deepinfer.sequence import Sequence
+from orchestrator.runtime.model_files import eos_token_ids
 from orchestrator.runtime.protocol import WorkerRequest
-
-
-def eos_token_ids(model_dir: Path) -> list[int]:
-    """Every id that ends generation: the tokenizer's eos token plus generation_config.json's
-    and config.json's `eos_token_id` (instruct models often end turns with another token).
-    The frontend's preprocessor reads the same files the same way."""
-    ids: list[int] = []
-
-    def read(name: str) -> dict[str, object]:
-        path = model_dir / name
-        return json.loads(path.read_text()) if path.is_file() else {}
-
-    eos = read("tokenizer_config.json").get("eos_token")
-    eos_text = eos.get("content") if isinstance(eos, dict) else eos
-    if isinstance(eos_text, str) and (model_dir / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-
-        token_id = Tokenizer.from_file(str(model_dir / "tokenizer.json")).token_to_id(eos_text)
-        if token_id is not None:
-            ids.append(token_id)
-    for name in ("generation_config.json", "config.json"):
-        value = read(name).get("eos_token_id")
-        for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, int) and item not in ids:
-                ids.append(item)
-    return ids
 
 
 class Runner(Protocol):
@@ -79,7 +54,9 @@ class Engine:
         self.runner = runner
         self.model_dir = Path(config.model)
         self.vocab_size = self.runner.vocab_size
-        self.eos_token_ids = eos_token_ids(self.model_dir)
+        self.eos_token_ids = eos_token_ids(
+            self.model_dir, Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        )
         self.max_model_len = self.runner.max_model_len
         self.scheduler = Scheduler(config, self.runner.num_kv_blocks, self.eos_token_ids, self.max_model_len)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, config.seed, config.deterministic)

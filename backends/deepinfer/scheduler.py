@@ -21,7 +21,7 @@ from backends.deepinfer.block_manager import BlockManager
 from backends.deepinfer.config import EngineConfig
 from backends.deepinfer.outputs import SampledToken, ScheduledChunk, SchedulerOutput, SeqOutput
 from backends.deepinfer.sequence import Sequence, SequenceStatus
-from orchestrator.runtime.protocol import WorkerRequest
+from orchestrator.runtime.protocol import LoadReport, WorkerRequest
 
 
 class Scheduler:
@@ -90,6 +90,17 @@ class Scheduler:
         """Tokens still to prefill: waiting sequences whole, running ones' unfinished prompts."""
         running = sum(n for s in self.running if (n := s.num_prompt_tokens - s.num_computed_tokens) > 0)
         return self._waiting_tokens + running
+
+    def load(self) -> LoadReport:
+        """The engine's load report; the worker host fills in the worker id and event id."""
+        return LoadReport(
+            worker_id="",
+            active_requests=self.num_running,
+            waiting_requests=self.num_waiting,
+            active_blocks=self.block_manager.num_active_blocks,
+            total_blocks=self.block_manager.num_blocks,
+            queued_prefill_tokens=self.queued_prefill_tokens(),
+        )
 
     # ------------------------------------------------------------------ one step
 

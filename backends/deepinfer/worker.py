@@ -79,24 +79,12 @@ class DeepInferWorker:
     def load(self) -> LoadReport:
         engine = self.engine
         with engine.lock:
-            scheduler = engine.scheduler
-            return LoadReport(
-                worker_id="",
-                active_requests=scheduler.num_running,
-                waiting_requests=scheduler.num_waiting,
-                active_blocks=scheduler.block_manager.num_active_blocks,
-                total_blocks=scheduler.block_manager.num_blocks,
-                queued_prefill_tokens=scheduler.queued_prefill_tokens(),
-                kv_event_id=self._last_event_id,
-            )
+            return engine.scheduler.load()
 
     def take_kv_events(self) -> list[KvEventBatch]:
         engine = self.engine
         with engine.lock:
-            batches = engine.scheduler.block_manager.take_events()
-        if batches:
-            self._last_event_id = batches[-1].event_id
-        return batches
+            return engine.scheduler.block_manager.take_events()
 
     def kv_snapshot(self) -> KvSnapshot:
         engine = self.engine

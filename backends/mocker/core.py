@@ -125,15 +125,7 @@ class MockerCore:
     # ------------------------------------------------------------------ observability
 
     def load(self) -> LoadReport:
-        s = self.scheduler
-        return LoadReport(
-            worker_id="",
-            active_requests=s.num_running,
-            waiting_requests=s.num_waiting,
-            active_blocks=self.block_manager.num_active_blocks,
-            total_blocks=self.block_manager.num_blocks,
-            queued_prefill_tokens=s.queued_prefill_tokens(),
-        )
+        return self.scheduler.load()
 
     def take_kv_events(self) -> list[KvEventBatch]:
         return self.block_manager.take_events()

@@ -26,6 +26,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from orchestrator.frontend.detokenizer import IncrementalDetokenizer
+from orchestrator.runtime.model_files import eos_token_ids, read_json, special_token_text
 
 # The special-token names transformers hands every chat template (`special_tokens_map`).
 _SPECIAL_TOKEN_KEYS = (
@@ -137,8 +138,8 @@ def _load_cached(model_dir: str) -> Preprocessor:
     if not tokenizer_file.is_file():
         raise FileNotFoundError(f"{tokenizer_file} not found: a model directory needs an HF tokenizer.json")
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    config = _read_json(root / "tokenizer_config.json")
-    special = {key: text for key in _SPECIAL_TOKEN_KEYS if (text := _token_content(config.get(key)))}
+    config = read_json(root / "tokenizer_config.json")
+    special = {key: text for key in _SPECIAL_TOKEN_KEYS if (text := special_token_text(config.get(key)))}
     template_file = root / "chat_template.jinja"
     template = (
         template_file.read_text() if template_file.is_file() else _pick_template(config.get("chat_template"))
@@ -147,23 +148,9 @@ def _load_cached(model_dir: str) -> Preprocessor:
         tokenizer,
         chat_template=template,
         special_tokens=special,
-        eos_token_ids=_eos_ids(root, tokenizer, special.get("eos_token")),
+        eos_token_ids=eos_token_ids(root, tokenizer),
         name=root.name,
     )
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    data = json.loads(path.read_text())
-    return data if isinstance(data, dict) else {}
-
-
-def _token_content(value: Any) -> str | None:
-    # tokenizer_config.json spells a special token either as its text or as an AddedToken dict.
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) and value else None
 
 
 def _pick_template(value: Any) -> str | None:
@@ -172,23 +159,6 @@ def _pick_template(value: Any) -> str | None:
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
         value = named.get("default")
     return value if isinstance(value, str) and value else None
-
-
-def _eos_ids(root: Path, tokenizer: Tokenizer, eos_text: str | None) -> list[int]:
-    ids: list[int] = []
-    if eos_text is not None and (eos_id := tokenizer.token_to_id(eos_text)) is not None:
-        ids.append(eos_id)
-    # Instruct models often end turns with a token other than the tokenizer's eos (e.g. Llama 3's
-    # <|eot_id|>); generation_config.json lists every id that should stop generation.
-    for name in ("generation_config.json", "config.json"):
-        value = _read_json(root / name).get("eos_token_id")
-        for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, int) and item not in ids:
-                ids.append(item)
-    return ids
-
-
-# ---------------------------------------------------------------------- templates
 
 
 def _raise_exception(message: str) -> None:

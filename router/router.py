@@ -115,8 +115,12 @@ class Router:
         m = metrics or default_metrics()
         self.metrics = m
         self.model = model
-        # resolved once: label lookups cost more than the increments
-        self._decisions = m.decisions(model, mode)
+        # children resolved once: label lookups cost more than the increments
+        self._decisions = m.decisions.labels(model, mode)
+        self._decision_seconds = m.decision_seconds.labels(model, mode)
+        self._prompt_blocks = m.prompt_blocks.labels(model, mode)
+        self._chosen_overlap = m.chosen_overlap_blocks.labels(model, mode)
+        self._best_overlap = m.best_overlap_blocks.labels(model, mode)
         self._kv_events = m.kv_events.labels(model)
 
     # ------------------------------------------------------------------ workers
@@ -152,12 +156,11 @@ class Router:
         update = self.loads.on_routed(decision.worker_id, request)
         if self.on_inflight is not None:
             self.on_inflight(update)
-        self._decisions.record(
-            time.perf_counter() - started,
-            len(request.block_hashes),
-            decision.overlap_blocks,
-            decision.best_overlap_blocks,
-        )
+        self._decisions.inc()
+        self._decision_seconds.observe(time.perf_counter() - started)
+        self._prompt_blocks.inc(len(request.block_hashes))
+        self._chosen_overlap.inc(decision.overlap_blocks)
+        self._best_overlap.inc(decision.best_overlap_blocks)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "route %s -> %s overlap=%d/%d best=%d cost=%.1f",

@@ -9,18 +9,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import uvicorn
 
 from orchestrator.cli.options import (
     add_cluster_planes,
     add_log_level,
+    add_router_arguments,
     env_default,
+    router_params,
     run_until_stopped,
     setup_logging,
 )
-from orchestrator.frontend.config import ROUTER_MODES, FrontendConfig
+from orchestrator.frontend.config import REMOTE_FALLBACK_MODE, ROUTER_MODES, FrontendConfig
 from orchestrator.frontend.server import create_app, uvicorn_config
 from orchestrator.runtime.discovery import Discovery, make_discovery
 from orchestrator.runtime.events import EventPlane, make_event_plane
@@ -65,41 +66,14 @@ def add_frontend_arguments(parser: argparse.ArgumentParser, default_port: int = 
         "(env WEIR_API_KEY, better than the flag, which other users see in the process list; "
         "default: no key)",
     )
-    routing = parser.add_argument_group("routing")
+    routing = add_router_arguments(parser, ROUTER_MODES, _DEFAULTS.router_mode)
     routing.add_argument(
-        "--router-mode",
-        choices=ROUTER_MODES,
-        default=env_default("WEIR_ROUTER_MODE", _DEFAULTS.router_mode),
-        help=f"how a worker is chosen (env WEIR_ROUTER_MODE; default {_DEFAULTS.router_mode})",
+        "--router-address",
+        default=env_default("WEIR_ROUTER_ADDRESS"),
+        metavar="HOST:PORT",
+        help="remote mode: the request-plane address of a standalone `weir router`; while it cannot "
+        f"be reached the frontend routes {REMOTE_FALLBACK_MODE} by itself (env WEIR_ROUTER_ADDRESS)",
     )
-    routing.add_argument(
-        "--kv-overlap-weight",
-        type=float,
-        help="kv mode: weight of prompt blocks a worker must compute against its active blocks (default 1.0)",
-    )
-    routing.add_argument(
-        "--router-temperature",
-        type=float,
-        help="kv mode: 0 picks the cheapest worker; higher values sample among cheap ones (default 0)",
-    )
-    routing.add_argument(
-        "--no-kv-events",
-        action="store_true",
-        help="kv mode: predict worker caches from routing decisions instead of KV events",
-    )
-    routing.add_argument("--router-seed", type=int, help="seed for random choices, for reproducible runs")
-
-
-def router_params(args: argparse.Namespace) -> dict[str, Any]:
-    """Only what the user set, so the router's own defaults stay the single source."""
-    params: dict[str, Any] = {
-        "overlap_weight": args.kv_overlap_weight,
-        "temperature": args.router_temperature,
-        "seed": args.router_seed,
-    }
-    if args.no_kv_events:
-        params["kv_events"] = False
-    return {key: value for key, value in params.items() if value is not None}
 
 
 def frontend_config(args: argparse.Namespace, namespace: str) -> FrontendConfig:
@@ -110,6 +84,7 @@ def frontend_config(args: argparse.Namespace, namespace: str) -> FrontendConfig:
             namespace=namespace,
             router_mode=args.router_mode,
             router_params=router_params(args),
+            router_address=args.router_address,
             request_timeout_s=args.request_timeout,
             max_retries=args.max_retries,
             log_level=args.log_level,

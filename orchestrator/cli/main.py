@@ -12,6 +12,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("orchestrator.cli.serve", "frontend and local workers in one process, no etcd or NATS"),
     "frontend": ("orchestrator.cli.frontend", "the OpenAI-compatible frontend (cluster mode)"),
     "worker": ("orchestrator.cli.worker", "one engine worker (cluster mode)"),
+    "router": ("orchestrator.cli.router", "the KV-aware router as a standalone service (cluster mode)"),
     "replay": ("orchestrator.cli.replay", "replay a Mooncake-format request trace"),
     "scale": ("orchestrator.cli.scale", "set a pool's replica count on Kubernetes"),
     "status": ("orchestrator.cli.status", "pools on Kubernetes and workers in discovery"),

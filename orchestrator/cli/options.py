@@ -1,4 +1,4 @@
-"""Flags shared by the serving commands (`serve`, `frontend`, `worker`).
+"""Flags shared by the serving commands (`serve`, `frontend`, `worker`, `router`).
 
 Every flag that a deployment sets per environment also reads an environment variable, named
 in its help text, so a container image can be configured without a command line: the flag
@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from types import FrameType
 from typing import Any
 
@@ -57,6 +57,49 @@ def add_cluster_planes(parser: argparse.ArgumentParser) -> None:
         default=env_default("WEIR_NATS", "nats://127.0.0.1:4222"),
         help="NATS URL for KV events and load reports (env WEIR_NATS; default nats://127.0.0.1:4222)",
     )
+
+
+def add_router_arguments(
+    parser: argparse.ArgumentParser, modes: Sequence[str], default_mode: str
+) -> argparse._ArgumentGroup:
+    """--router-mode and the router's parameters (`frontend`, `serve`, `router`); returns the
+    group for command-specific additions."""
+    routing = parser.add_argument_group("routing")
+    routing.add_argument(
+        "--router-mode",
+        choices=modes,
+        default=env_default("WEIR_ROUTER_MODE", default_mode),
+        help=f"how a worker is chosen (env WEIR_ROUTER_MODE; default {default_mode})",
+    )
+    routing.add_argument(
+        "--kv-overlap-weight",
+        type=float,
+        help="kv mode: weight of prompt blocks a worker must compute against its active blocks (default 1.0)",
+    )
+    routing.add_argument(
+        "--router-temperature",
+        type=float,
+        help="kv mode: 0 picks the cheapest worker; higher values sample among cheap ones (default 0)",
+    )
+    routing.add_argument(
+        "--no-kv-events",
+        action="store_true",
+        help="kv mode: predict worker caches from routing decisions instead of KV events",
+    )
+    routing.add_argument("--router-seed", type=int, help="seed for random choices, for reproducible runs")
+    return routing
+
+
+def router_params(args: argparse.Namespace) -> dict[str, Any]:
+    """Only what the user set, so the router's own defaults stay the single source."""
+    params: dict[str, Any] = {
+        "overlap_weight": args.kv_overlap_weight,
+        "temperature": args.router_temperature,
+        "seed": args.router_seed,
+    }
+    if args.no_kv_events:
+        params["kv_events"] = False
+    return {key: value for key, value in params.items() if value is not None}
 
 
 def setup_logging(level: str) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-ROUTER_MODES = ("kv", "round-robin", "random", "least-loaded")
+ROUTER_MODES = ("kv", "round-robin", "random", "least-loaded", "remote")
+# What places requests in `remote` mode while the standalone router cannot be reached.
+REMOTE_FALLBACK_MODE = "least-loaded"
 
 
 @dataclass(slots=True)
@@ -17,6 +19,8 @@ class FrontendConfig:
     router_mode: str = "kv"
     # Passed through to the router factory (e.g. overlap weight and temperature for `kv`).
     router_params: dict[str, Any] = field(default_factory=dict)
+    # `remote` mode: the standalone router's request-plane address ("host:port", `weir router`).
+    router_address: str | None = None
     # Wall-clock limit for one request, from arrival to its last token.
     request_timeout_s: float = 600.0
     # Bodies larger than this get 413 before they are read into memory.
@@ -36,6 +40,8 @@ class FrontendConfig:
             raise ValueError(
                 f"unknown router mode {self.router_mode!r}; choose one of {', '.join(ROUTER_MODES)}"
             )
+        if (self.router_mode == "remote") != bool(self.router_address):
+            raise ValueError("router mode 'remote' and a router address go together")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.request_timeout_s <= 0:

@@ -15,33 +15,17 @@ from orchestrator.frontend.registry import ModelEntry
 from orchestrator.runtime.protocol import TokenDelta, WorkerRequest
 from orchestrator.runtime.request_plane import RemoteError
 from router.protocols import RouteRequest
-from router.router import Router
 
 log = logging.getLogger("weir.frontend")
-
-
-def _select(router: Router, route: RouteRequest, failed: list[str]) -> str:
-    if not failed:
-        return router.select(route).worker_id
-    # The router has no exclusion list: hide the failed workers as draining for this one
-    # synchronous call (no await in between, so no other request sees it).
-    previous = {w: router.workers[w].draining for w in failed if w in router.workers}
-    for worker_id in previous:
-        router.set_draining(worker_id, True)
-    try:
-        return router.select(route).worker_id
-    finally:
-        for worker_id, draining in previous.items():
-            router.set_draining(worker_id, draining)
 
 
 async def generate(
     entry: ModelEntry, request: WorkerRequest, route: RouteRequest, max_retries: int, metrics: Metrics
 ) -> AsyncGenerator[TokenDelta, None]:
-    router = entry.routing.router
+    routing = entry.routing
     failed: list[str] = []
     while True:
-        worker_id = _select(router, route, failed)
+        worker_id = await routing.select(route, failed)
         stream = entry.workers[worker_id].generate(request)
         streamed = False
         try:
@@ -59,4 +43,4 @@ async def generate(
             failed.append(worker_id)
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
-            router.on_finish(worker_id, route.request_id)
+            routing.on_finish(worker_id, route.request_id)

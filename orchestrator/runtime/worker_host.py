@@ -40,6 +40,7 @@ from orchestrator.runtime.request_plane import (
     MODEL_FILES,
     RemoteError,
     RequestPlaneServer,
+    dial_address,
 )
 
 log = logging.getLogger(__name__)
@@ -73,11 +74,7 @@ class WorkerHost:
         self.host = host
         self.port = port
         self.instance_id = instance_id or default_instance_id()
-        # The address others dial: a wildcard bind address is no use to them.
-        wildcard = host in ("", "0.0.0.0", "::")
-        self.advertise_host = advertise_host or (
-            socket.gethostbyname(socket.gethostname()) if wildcard else host
-        )
+        self.advertise_host = advertise_host
         self.publish_interval = publish_interval
         self.instance: Instance | None = None
         self.in_flight = 0
@@ -104,9 +101,9 @@ class WorkerHost:
     async def start(self) -> None:
         await self.engine.start()
         port = await self._server.start(self.host, self.port)
-        host = f"[{self.advertise_host}]" if ":" in self.advertise_host else self.advertise_host
+        address = dial_address(self.host, port, self.advertise_host)
         self.instance = Instance(
-            instance_id=self.instance_id, component="worker", address=f"{host}:{port}", card=self.engine.card
+            instance_id=self.instance_id, component="worker", address=address, card=self.engine.card
         )
         await self.discovery.register(self.instance)
         self._tasks = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from orchestrator.runtime.request_plane.client import RequestPlaneClient, ResponseStream
 from orchestrator.runtime.request_plane.errors import RemoteError
-from orchestrator.runtime.request_plane.server import Handler, RequestPlaneServer
+from orchestrator.runtime.request_plane.server import Handler, RequestPlaneServer, dial_address
 from orchestrator.runtime.request_plane.worker_client import (
     GENERATE,
     KV_SNAPSHOT,
@@ -26,4 +26,5 @@ __all__ = [
     "ResponseStream",
     "TcpWorkerClient",
     "WorkerClient",
+    "dial_address",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import AsyncIterator, Callable
 
 from orchestrator.runtime.protocol import ErrorCode, WorkerError
@@ -123,3 +124,12 @@ class RequestPlaneServer:
         with contextlib.suppress(Exception):
             await self._server.wait_closed()
         self._server = None
+
+
+def dial_address(host: str, port: int, advertise_host: str | None = None) -> str:
+    """The "host:port" others dial for a server bound to `host`: `advertise_host` if given;
+    a wildcard bind address is no use to them, so this host's own address stands in."""
+    if not advertise_host:
+        wildcard = host in ("", "0.0.0.0", "::")
+        advertise_host = socket.gethostbyname(socket.gethostname()) if wildcard else host
+    return f"[{advertise_host}]:{port}" if ":" in advertise_host else f"{advertise_host}:{port}"

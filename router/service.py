@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from orchestrator.runtime.discovery import Discovery, DiscoveryEvent, DiscoveryUnavailable
 from orchestrator.runtime.events import EventPlane
@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 # Roles that take whole requests; prefill/decode pools need the disaggregated path.
 ROUTABLE_ROLES = ("aggregated",)
+
+WORKERS = Gauge("weir_router_workers", "Workers of the model in discovery, draining ones included", ["model"])
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode_route = msgspec.msgpack.Decoder(RouteCall).decode
@@ -122,7 +124,8 @@ class RouterService:
             await self.discovery.deregister(self.instance_id)
         self.instance = None
         await self._server.stop()
-        for model in self.models.values():
+        for name, model in self.models.items():
+            WORKERS.remove(name)
             await model.subscriber.stop()
         self.models.clear()
         self._workers.clear()
@@ -157,6 +160,7 @@ class RouterService:
         model.router.add_worker(instance.instance_id, card.total_kv_blocks)
         model.router.set_draining(instance.instance_id, instance.draining)
         self._workers[instance.instance_id] = instance
+        WORKERS.labels(card.name).set(len(model.addresses))
         log.info("worker %s serves %s at %s", instance.instance_id, card.name, instance.address)
 
     async def _remove_worker(self, instance_id: str) -> None:
@@ -167,9 +171,11 @@ class RouterService:
         model = self.models[name]
         model.addresses.pop(instance_id, None)
         model.router.remove_worker(instance_id)
+        WORKERS.labels(name).set(len(model.addresses))
         log.info("worker %s of %s is gone", instance_id, name)
         if not model.addresses:
             del self.models[name]
+            WORKERS.remove(name)
             await model.subscriber.stop()
 
     async def _new_model(self, card: ModelCard) -> _Model:

@@ -1,17 +1,18 @@
-"""The standalone router's request-plane endpoints and their msgpack messages.
+"""The standalone router's request-plane endpoint and its msgpack messages.
 
-`route`: one `RouteCall` in, one `RouteAnswer` out; a typed error when no worker can take
+`route`: one `RouteCall` in, one `RouteAnswer` out, or a typed error when no worker can take
 the request (`unavailable`) or the router knows no worker of the model or cannot read the
-call (`invalid_request`). `finish`: one `FinishCall` in, nothing out; it releases the
-request's in-flight load on the router. Both are answered by `router.service.RouterService`
-and asked by `router.remote.RemoteRouter`."""
+call (`invalid_request`). After the answer the stream stays open while the request runs:
+the caller closes it (a Cancel frame) when the request ends, and that releases the request's
+in-flight load on the router. A caller that dies or loses its connection so releases all of
+its requests at once, which an explicit "finish" call could never do. Answered by
+`router.service.RouterService`, asked by `router.remote.RemoteRouter`."""
 
 from __future__ import annotations
 
 import msgspec
 
 ROUTE = "route"
-FINISH = "finish"
 
 
 class RouteCall(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -29,9 +30,3 @@ class RouteAnswer(msgspec.Struct, kw_only=True):
     overlap_blocks: int = 0
     best_overlap_blocks: int = 0
     cost: float = 0.0
-
-
-class FinishCall(msgspec.Struct, kw_only=True):
-    model: str
-    request_id: str
-    worker_id: str

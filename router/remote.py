@@ -1,6 +1,9 @@
 """`RemoteRouter`: a standalone router (`weir router`) asked for each decision over the
 request plane, behind the same `select` / `on_finish` a local `Router` offers.
 
+Each decision's `route` stream stays open while its request runs; `on_finish` closes it,
+which releases the request's load on the router (`router.endpoints`).
+
 When the router cannot be reached (connection refused or lost, no answer within
 `timeout_s`), the request is placed by `fallback`, a local `Router` over the same workers,
 and the remote router is tried again after `retry_s`: requests keep flowing, only without
@@ -17,9 +20,9 @@ from collections.abc import Callable, Collection
 
 import msgspec
 
-from orchestrator.runtime.request_plane import RemoteError, RequestPlaneClient
+from orchestrator.runtime.request_plane import RemoteError, RequestPlaneClient, ResponseStream
 from router.avoid import select_avoiding
-from router.endpoints import FINISH, ROUTE, FinishCall, RouteAnswer, RouteCall
+from router.endpoints import ROUTE, RouteAnswer, RouteCall
 from router.protocols import Decision, RouteRequest
 from router.router import Router
 
@@ -49,33 +52,37 @@ class RemoteRouter:
         self.retry_s = retry_s
         self._clock = clock
         self._retry_at = 0.0
-        self._remote: dict[str, str] = {}  # request id -> worker, for requests the router placed
-        self._finishing: set[asyncio.Task[None]] = set()
+        # requests the router placed: request id -> (worker, the open route stream)
+        self._placed: dict[str, tuple[str, ResponseStream]] = {}
 
     async def select(self, request: RouteRequest, avoid: Collection[str] = ()) -> Decision:
         if self._clock() >= self._retry_at:
-            answer = await self._ask(request, avoid)
-            if answer is not None:
+            placed = await self._ask(request, avoid)
+            if placed is not None:
+                answer, stream = placed
                 if answer.worker_id in self.fallback.workers:
-                    self._remote[request.request_id] = answer.worker_id
+                    self._placed[request.request_id] = (answer.worker_id, stream)
                     return Decision(
                         answer.worker_id, answer.overlap_blocks, answer.cost, answer.best_overlap_blocks
                     )
-                self._send_finish(answer.worker_id, request.request_id)
+                stream.close()
         return select_avoiding(self.fallback, request, avoid)
 
     def on_finish(self, worker_id: str, request_id: str | None = None) -> None:
-        if request_id is not None and self._remote.pop(request_id, None) == worker_id:
-            self._send_finish(worker_id, request_id)
-        else:
+        placed = self._placed.pop(request_id, None) if request_id is not None else None
+        if placed is None:
             self.fallback.on_finish(worker_id, request_id)
+        else:
+            placed[1].close()
 
-    async def close(self) -> None:
-        for task in list(self._finishing):
-            task.cancel()
-        await asyncio.gather(*self._finishing, return_exceptions=True)
+    def close(self) -> None:
+        for _, stream in self._placed.values():
+            stream.close()
+        self._placed.clear()
 
-    async def _ask(self, request: RouteRequest, avoid: Collection[str]) -> RouteAnswer | None:
+    async def _ask(
+        self, request: RouteRequest, avoid: Collection[str]
+    ) -> tuple[RouteAnswer, ResponseStream] | None:
         call = RouteCall(
             model=self.model,
             request_id=request.request_id,
@@ -84,9 +91,10 @@ class RemoteRouter:
             pinned_worker=request.pinned_worker,
             avoid=list(avoid),
         )
+        stream = self.client.stream(self.address, ROUTE, _encode(call))
         try:
             async with asyncio.timeout(self.timeout_s):
-                return _decode_answer(await self._call(ROUTE, _encode(call)))
+                return _decode_answer(await anext(stream)), stream
         except RemoteError as exc:
             if exc.retryable:  # the connection, not the router's answer: give it time
                 self._unreachable(exc)
@@ -96,8 +104,9 @@ class RemoteRouter:
                 )
         except TimeoutError as exc:
             self._unreachable(exc)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("undecodable answer from router %s: %s", self.address, exc)
+        except (StopAsyncIteration, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("no usable answer from router %s: %r", self.address, exc)
+        stream.close()
         return None
 
     def _unreachable(self, exc: Exception) -> None:
@@ -109,24 +118,3 @@ class RemoteRouter:
             self.model,
             self.retry_s,
         )
-
-    async def _call(self, endpoint: str, payload: bytes) -> bytes:
-        """The one payload `endpoint` answers with (b"" for none)."""
-        stream = self.client.stream(self.address, endpoint, payload)
-        try:
-            return await anext(stream, b"")
-        finally:
-            await stream.aclose()
-
-    def _send_finish(self, worker_id: str, request_id: str) -> None:
-        call = FinishCall(model=self.model, request_id=request_id, worker_id=worker_id)
-        task = asyncio.get_running_loop().create_task(self._finish(call))
-        self._finishing.add(task)
-        task.add_done_callback(self._finishing.discard)
-
-    async def _finish(self, call: FinishCall) -> None:
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                await self._call(FINISH, _encode(call))
-        except (RemoteError, TimeoutError) as exc:  # a restarted router never counted it anyway
-            log.debug("finish of %s not delivered to router %s: %r", call.request_id, self.address, exc)

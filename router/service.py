@@ -4,8 +4,8 @@ request-plane endpoints, so frontends can share one KV index instead of each kee
 Per model it keeps a `Router` (`make_router`) fed by a `RouterSubscriber` (KV events, load
 reports, replicas' in-flight load; worker snapshots fetched over the request plane), and the
 model's workers from `Discovery.watch("worker")`: a model appears with its first worker and
-goes with its last, draining workers stay known but get no requests. It serves `route` and
-`finish` (`router.endpoints`) and registers itself as `Instance(component="router")`.
+goes with its last, draining workers stay known but get no requests. It serves `route`
+(`router.endpoints`) and registers itself as `Instance(component="router")`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from orchestrator.runtime.request_plane import (
     dial_address,
 )
 from router.avoid import select_avoiding
-from router.endpoints import FINISH, ROUTE, FinishCall, RouteAnswer, RouteCall
+from router.endpoints import ROUTE, RouteAnswer, RouteCall
 from router.metrics import RouterMetrics, default_metrics
 from router.protocols import NoWorkerAvailable, RouteRequest
 from router.router import Router, make_router
@@ -48,7 +48,6 @@ WORKERS = Gauge("weir_router_workers", "Workers of the model in discovery, drain
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode_route = msgspec.msgpack.Decoder(RouteCall).decode
-_decode_finish = msgspec.msgpack.Decoder(FinishCall).decode
 
 
 @dataclass(slots=True)
@@ -90,7 +89,7 @@ class RouterService:
         self.models: dict[str, _Model] = {}
         self._workers: dict[str, Instance] = {}  # routable workers by instance id
         self._plane = RequestPlaneClient()
-        self._server = RequestPlaneServer({ROUTE: self._route, FINISH: self._finish})
+        self._server = RequestPlaneServer({ROUTE: self._route})
         self._follower: asyncio.Task[None] | None = None
 
     @property
@@ -208,23 +207,18 @@ class RouterService:
             decision = select_avoiding(model.router, request, call.avoid)
         except NoWorkerAvailable as exc:
             raise RemoteError("unavailable", f"{call.model}: {exc}") from exc
-        yield _encode(
-            RouteAnswer(
-                worker_id=decision.worker_id,
-                address=model.addresses[decision.worker_id],
-                overlap_blocks=decision.overlap_blocks,
-                best_overlap_blocks=decision.best_overlap_blocks,
-                cost=decision.cost,
-            )
-        )
-
-    async def _finish(self, payload: bytes) -> AsyncIterator[bytes]:
         try:
-            call = _decode_finish(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise RemoteError("invalid_request", f"bad FinishCall: {exc}") from exc
-        model = self.models.get(call.model)
-        if model is not None:  # a model gone with its workers has nothing left to release
-            model.router.on_finish(call.worker_id, call.request_id)
-        return
-        yield b""  # an async generator that answers with no payload, only the end of stream
+            yield _encode(
+                RouteAnswer(
+                    worker_id=decision.worker_id,
+                    address=model.addresses[decision.worker_id],
+                    overlap_blocks=decision.overlap_blocks,
+                    best_overlap_blocks=decision.best_overlap_blocks,
+                    cost=decision.cost,
+                )
+            )
+            # The request runs until the caller closes this stream (or its connection drops):
+            # only then is its load released.
+            await asyncio.get_running_loop().create_future()
+        finally:
+            model.router.on_finish(decision.worker_id, call.request_id)

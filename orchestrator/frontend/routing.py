@@ -45,7 +45,7 @@ class ModelRouting:
 
     async def close(self) -> None:
         if self.remote is not None:
-            await self.remote.close()
+            self.remote.close()
         if self.plane is not None:
             await self.plane.close()
         if self.subscriber is not None:

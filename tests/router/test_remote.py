@@ -113,7 +113,6 @@ async def test_registers_and_routes_to_the_worker_holding_the_prefix(setup: Setu
         assert (decision.worker_id, decision.overlap_blocks) == (first.worker_id, len(PREFIX) // BS)
         remote.on_finish(decision.worker_id, f"r{i}")
         await eventually(lambda: owner.inflight_requests == 0)
-    await remote.close()
 
 
 async def test_finish_releases_the_routers_inflight_load(setup: Setup) -> None:
@@ -123,7 +122,18 @@ async def test_finish_releases_the_routers_inflight_load(setup: Setup) -> None:
     assert loads[decision.worker_id].inflight_requests == 1
     remote.on_finish(decision.worker_id, "held")
     await eventually(lambda: loads[decision.worker_id].inflight_requests == 0)
-    await remote.close()
+
+
+async def test_a_caller_that_goes_away_releases_its_requests(setup: Setup) -> None:
+    """A frontend that dies mid-request leaves no load behind on the router."""
+    own_plane = RequestPlaneClient()
+    remote = RemoteRouter(own_plane, setup.service.address, MODEL, setup.remote().fallback)
+    for i in range(3):
+        await remote.select(route(f"gone{i}", [*PREFIX, i]))
+    loads = setup.service.models[MODEL].router.workers
+    assert sum(w.inflight_requests for w in loads.values()) == 3
+    await own_plane.close()  # the connection drops, as when the process dies
+    await eventually(lambda: sum(w.inflight_requests for w in loads.values()) == 0)
 
 
 async def test_avoided_workers_are_not_chosen(setup: Setup) -> None:
@@ -132,7 +142,6 @@ async def test_avoided_workers_are_not_chosen(setup: Setup) -> None:
         decision = await remote.select(route(f"x{i}", PREFIX), avoid=["a"])
         assert decision.worker_id == "b"
         remote.on_finish("b", f"x{i}")
-    await remote.close()
 
 
 async def call_route(setup: Setup, payload: bytes) -> RemoteError:
@@ -172,4 +181,3 @@ async def test_unreachable_router_falls_back_locally_then_is_retried(setup: Setu
     now[0] = 5.0
     await remote.select(route("f3", PREFIX))
     assert sum(w.inflight_requests for w in service_loads.values()) == 1
-    await remote.close()

@@ -129,6 +129,10 @@ class ResponseStream:
     async def aclose(self) -> None:
         self._cancel()
 
+    def close(self) -> None:
+        """`aclose` for callers that are not coroutines: stop the call (a Cancel frame) now."""
+        self._cancel()
+
     def __del__(self) -> None:
         # Dropped unfinished (the caller broke out of its loop): still tell the worker.
         with contextlib.suppress(Exception):

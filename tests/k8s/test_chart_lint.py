@@ -18,6 +18,7 @@ CRD_KINDS = {"ServiceMonitor"}
 ALL_FEATURES = {
     "serviceMonitor.enabled": "true",
     "networkPolicy.enabled": "true",
+    "router.enabled": "true",
     "frontend.apiKey.value": "secret",
     "etcd.persistence.enabled": "true",
     "operatorRole.subjects[0].kind": "User",

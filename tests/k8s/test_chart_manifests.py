@@ -287,3 +287,29 @@ def test_frontend_sees_model_directories_where_workers_do(disagg: list[Manifest]
         env = {e["name"]: e.get("value") for e in container["env"]}
         views.append((claim, mount, env["WEIR_CACHE_DIR"], env["HF_HOME"]))
     assert views[0] == views[1] == ("weir-models", "/models", "/models/weir", "/models/hf")
+
+
+def test_standalone_router_option(helm_bin: str, defaults: list[Manifest]) -> None:
+    assert not [m for m in defaults if m["metadata"]["name"] == "r-weir-router"]
+    manifests = render(helm_bin, sets={"router.enabled": "true", "serviceMonitor.enabled": "true"})
+    router = one(manifests, "Deployment", "r-weir-router")
+    container = _container(router)
+    assert container["args"] == [
+        "router",
+        "--host=0.0.0.0",
+        "--port=9100",
+        "--metrics-port=9101",
+        "--router-mode=kv",
+    ]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/live", "port": "metrics"}
+    advertise = {e["name"]: e for e in container["env"]}["WEIR_ADVERTISE_HOST"]
+    assert advertise["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    svc = one(manifests, "Service", "r-weir-router")
+    assert svc["spec"]["selector"].items() <= router["spec"]["template"]["metadata"]["labels"].items()
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"requests": 9100, "metrics": 9101}
+    # The frontends ask the router through its Service.
+    frontend = _container(one(manifests, "Deployment", "r-weir-frontend"))
+    assert frontend["args"][3:5] == ["--router-mode=remote", "--router-address=r-weir-router.weir.svc:9100"]
+    monitor = one(manifests, "ServiceMonitor", "r-weir-router")
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"

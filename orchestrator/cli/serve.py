@@ -43,6 +43,11 @@ def run(args: argparse.Namespace) -> int:
     if args.workers < 1:
         print("weir serve: --workers must be at least 1", file=sys.stderr)
         return 2
+    if args.router_mode == "remote":  # a standalone router finds workers in etcd, not in here
+        print(
+            "weir serve: --router-mode remote needs a cluster (weir router, weir frontend)", file=sys.stderr
+        )
+        return 2
     config = frontend_config(args, NAMESPACE)
     try:
         model_dir = resolve_model(args.model)

@@ -142,3 +142,9 @@ def test_router_rejects_bad_router_parameters(capsys: pytest.CaptureFixture[str]
         main(["router", "--router-mode", "nope"])
     assert exit_info.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_serve_refuses_remote_routing(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["serve", "--router-mode", "remote", "--router-address", "127.0.0.1:9100"]
+    assert main(argv) == 2
+    assert "needs a cluster" in capsys.readouterr().err

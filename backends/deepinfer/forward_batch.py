@@ -6,7 +6,10 @@ block-table views. Tokens of all chunks are concatenated in chunk order ("flat" 
 
 Attention splits the batch two ways:
 - decode tokens (chunks of one token) are attended together, each over its own context padded
-  to the longest one (`decode_blocks` + `decode_mask`);
+  to the longest one. Multi-head attention keeps those contexts in a contiguous per-layer
+  workspace that lives across steps (`DecodePlan`): while the same sequences keep decoding, a
+  step only appends its new k/v there instead of gathering every context from the paged cache
+  again; MLA gathers its latent contexts from `decode_blocks` every step;
 - prefill chunks (more than one token) are attended one by one, over the cached context before
   the chunk (`PrefillSpan.context_blocks`) plus the chunk itself.
 
@@ -39,6 +42,24 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class DecodePlan:
+    """How the decode tokens' contexts sit in the attention layers' decode workspaces
+    (`[B, Hk, capacity, d]`, row i for decode token i), decided once per step by the runner.
+
+    `refill`: the batch is not the previous step's sequences one token further on (a sequence
+    joined, left or was preempted, or the workspace is full), so every layer rebuilds its
+    workspace from the paged cache (after storing this step's k/v there); otherwise each layer
+    writes only this step's k/v, at `positions`, and the rest is what the previous steps left."""
+
+    refill: bool
+    capacity: int  # positions per workspace row (a multiple of the block size)
+    length: int  # the longest context this step
+    rows: torch.Tensor  # [B] arange: the workspace row of each decode token
+    positions: torch.Tensor  # [B] each decode token's own position (its context length - 1)
+    mask: torch.Tensor | None  # [B, 1, 1, length] bool, True on real context; None if all are `length`
+
+
+@dataclass(slots=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -46,7 +67,7 @@ class ForwardBatch:
     prefills: list[PrefillSpan]
     decode_index: torch.Tensor | None  # [B] flat positions of single-token chunks
     decode_blocks: torch.Tensor | None  # [B, N] block tables of the decode tokens, 0-padded
-    decode_mask: torch.Tensor | None  # [B, 1, 1, N * block_size] bool: True on real context
+    decode_plan: DecodePlan | None
     sample_index: torch.Tensor  # [S] flat positions whose logits are returned
 
     @property

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from backends.deepinfer.config import EngineConfig
-from backends.deepinfer.forward_batch import ForwardBatch, PrefillSpan
+from backends.deepinfer.forward_batch import DecodePlan, ForwardBatch, PrefillSpan
 from backends.deepinfer.hf_config import HFConfig
 from backends.deepinfer.layers.attention import Attention
 from backends.deepinfer.layers.mla import MLAttention
@@ -19,8 +19,13 @@ from backends.deepinfer.loader import load_weights
 from backends.deepinfer.models.base import CausalLM
 from backends.deepinfer.models.registry import model_class
 from backends.deepinfer.outputs import ScheduledChunk, SchedulerOutput
+from backends.deepinfer.sequence import Sequence
 
 logger = logging.getLogger(__name__)
+
+# Decode workspaces are sized for this many more blocks than the longest context, so a stable
+# batch refills them once every this many blocks of decoding.
+_WORKSPACE_HEADROOM_BLOCKS = 8
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -78,6 +83,11 @@ class ModelRunner:
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory()
         for layer in self._cache_layers:
             layer.allocate_cache(self.num_kv_blocks, self.block_size, self.dtype, self.device)
+        # The last step's decode sequences and context lengths, and the workspace capacity
+        # (see DecodePlan); empty after a failed step, so the next one refills.
+        self._decode_seqs: list[Sequence] = []
+        self._decode_lengths: list[int] = []
+        self._decode_capacity = 0
         logger.info(
             "loaded %s (%s) on %s/%s in %.1f s; KV cache %d blocks x %d tokens (%.2f GiB)",
             self.model_dir.name,
@@ -113,10 +123,14 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one step; return float32 logits `[S, vocab]` for the chunks with `sample=True`,
         in chunk order (S may be 0). Every chunk's tokens are written to the KV cache."""
-        if self.config.deterministic:
-            parts = [self._forward([chunk]) for chunk in out.chunks]
-            return torch.cat(parts) if parts else self._forward([])
-        return self._forward(out.chunks)
+        try:
+            if self.config.deterministic:
+                parts = [self._forward([chunk]) for chunk in out.chunks]
+                return torch.cat(parts) if parts else self._forward([])
+            return self._forward(out.chunks)
+        except BaseException:
+            self._decode_seqs = []  # the workspaces may be half written
+            raise
 
     def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         if not chunks:
@@ -137,6 +151,7 @@ class ModelRunner:
         decode_index: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lengths: list[int] = []
+        decode_seqs: list[Sequence] = []
         sample_index: list[int] = []
         for chunk in chunks:
             seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
@@ -156,6 +171,7 @@ class ModelRunner:
                 decode_index.append(begin)
                 decode_tables.append(table)
                 decode_lengths.append(end)
+                decode_seqs.append(seq)
             else:
                 context = self._tensor(table) if start else None
                 prefills.append(PrefillSpan(begin, len(ids), start, context))
@@ -168,17 +184,43 @@ class ModelRunner:
             prefills=prefills,
             decode_index=None,
             decode_blocks=None,
-            decode_mask=None,
+            decode_plan=None,
             sample_index=self._tensor(sample_index),
         )
         if decode_index:
             width = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (width - len(t)) for t in decode_tables]  # block 0: masked out below
-            mask = torch.arange(width * bs)[None, :] < torch.tensor(decode_lengths)[:, None]
+            padded = [t + [0] * (width - len(t)) for t in decode_tables]  # block 0: masked out
             batch.decode_index = self._tensor(decode_index)
             batch.decode_blocks = self._tensor(padded)
-            batch.decode_mask = mask[:, None, None, :].to(self.device, non_blocking=True)
+            batch.decode_plan = self._decode_plan(decode_seqs, decode_lengths, width)
         return batch
+
+    def _decode_plan(self, seqs: list[Sequence], lengths: list[int], width: int) -> DecodePlan:
+        """Append to the decode workspaces when this step's decode tokens are the previous
+        step's, in order, one token further on; otherwise refill them (with room to grow)."""
+        length = max(lengths)
+        previous, self._decode_seqs = self._decode_seqs, seqs
+        previous_lengths, self._decode_lengths = self._decode_lengths, lengths
+        append = (
+            length <= self._decode_capacity
+            and len(previous) == len(seqs)
+            and all(a is b for a, b in zip(previous, seqs, strict=True))
+            and all(n == p + 1 for n, p in zip(lengths, previous_lengths, strict=True))
+        )
+        if not append:
+            self._decode_capacity = (width + _WORKSPACE_HEADROOM_BLOCKS) * self.block_size
+        lengths_t = self._tensor(lengths)
+        mask = None
+        if min(lengths) < length:
+            mask = (torch.arange(length, device=self.device)[None, :] < lengths_t[:, None])[:, None, None, :]
+        return DecodePlan(
+            refill=not append,
+            capacity=self._decode_capacity,
+            length=length,
+            rows=torch.arange(len(seqs), device=self.device),
+            positions=lengths_t - 1,
+            mask=mask,
+        )
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

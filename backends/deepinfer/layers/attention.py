@@ -4,6 +4,14 @@ The cache of a layer is `[num_blocks, block_size, *entry]`; a token at position 
 lives in slot `block_table[p // block_size] * block_size + p % block_size`. Each step first
 writes the new tokens' entries into their slots, then attends: decode tokens together over
 their padded contexts, prefill chunks one by one with a causal mask offset by the cached prefix.
+
+Decode contexts are read from a per-layer workspace `[B, Hk, capacity, d]` kept across steps
+(see `DecodePlan`): gathering every context out of the paged cache at every step and layer cost
+as much as the attention itself on CPU, while a step of a stable batch adds one entry per row.
+The head-major layout also lets the query heads that share a KV head attend as G queries of one
+head, which is faster than SDPA's `enable_gqa` on CPU. (A paged-attention kernel reading blocks
+in place would make the workspace unnecessary; the cost is one more copy of the running
+sequences' KV, freed when the batch changes.)
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.deepinfer.forward_batch import ForwardBatch, PrefillSpan
+from backends.deepinfer.forward_batch import DecodePlan, ForwardBatch, PrefillSpan
 
 
 def store(cache: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor) -> None:
@@ -47,11 +55,24 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return out.transpose(0, 1)
 
 
+def grouped_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """One query per sequence: q `[B, H, d]` over head-major k, v `[B, Hk, L, d]`, `mask`
+    `[B, 1, 1, L]` (None: all real). The G = H / Hk query heads of a KV head attend as G
+    queries of that head (heads grouped as `enable_gqa` does). Returns `[B, H, d]`."""
+    b, h, d = q.shape
+    out = F.scaled_dot_product_attention(
+        q.view(b, k.shape[1], h // k.shape[1], d), k, v, attn_mask=mask, scale=scale
+    )
+    return out.reshape(b, h, -1)
+
+
 def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
     """One query per sequence: q `[B, H, d]` over k `[B, L, Hk, d]`, v `[B, L, Hk, dv]`, with
-    `mask` `[B, 1, 1, L]` marking real context. Returns `[B, H, dv]`."""
+    `mask` `[B, 1, 1, L]` marking real context (None: all real). Returns `[B, H, dv]`."""
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),
         k.transpose(1, 2),
@@ -76,6 +97,8 @@ class Attention(nn.Module):
         )
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.k_decode = torch.empty(0)  # the decode workspaces, [B, Hk, capacity, d]
+        self.v_decode = torch.empty(0)
 
     def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_kv_heads * self.head_dim * dtype.itemsize
@@ -96,14 +119,17 @@ class Attention(nn.Module):
             keys, values = self._context(span, k, v)
             out[span.begin : span.end] = prefill_attention(q[span.begin : span.end], keys, values, self.scale)
         if batch.decode_index is not None:
-            assert batch.decode_blocks is not None and batch.decode_mask is not None
-            keys, values = (
-                gather(self.k_cache, batch.decode_blocks),
-                gather(self.v_cache, batch.decode_blocks),
-            )
-            out[batch.decode_index] = decode_attention(
-                q[batch.decode_index], keys, values, batch.decode_mask, self.scale
-            ).to(q.dtype)
+            assert batch.decode_blocks is not None and batch.decode_plan is not None
+            index, plan = batch.decode_index, batch.decode_plan
+            if plan.refill:
+                self.k_decode = _workspace(self.k_cache, batch.decode_blocks, plan)
+                self.v_decode = _workspace(self.v_cache, batch.decode_blocks, plan)
+            else:
+                self.k_decode[plan.rows, :, plan.positions] = k[index]
+                self.v_decode[plan.rows, :, plan.positions] = v[index]
+            keys = self.k_decode.narrow(2, 0, plan.length)
+            values = self.v_decode.narrow(2, 0, plan.length)
+            out[index] = grouped_decode_attention(q[index], keys, values, plan.mask, self.scale).to(q.dtype)
         return out
 
     def _context(
@@ -113,3 +139,14 @@ class Attention(nn.Module):
             return k[span.begin : span.end], v[span.begin : span.end]
         blocks = span.context_blocks
         return gather(self.k_cache, blocks, span.length), gather(self.v_cache, blocks, span.length)
+
+
+def _workspace(cache: torch.Tensor, blocks: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
+    """The contexts of block tables `blocks` `[B, N]` as a head-major `[B, Hk, capacity, d]`
+    workspace. Zero beyond what was gathered, so masked-out positions never hold a NaN (a
+    masked NaN still poisons the softmax)."""
+    gathered = gather(cache, blocks, plan.length)  # [B, length, Hk, d]
+    b, length, heads, dim = gathered.shape
+    workspace = cache.new_zeros(b, heads, plan.capacity, dim)
+    workspace[:, :, :length].copy_(gathered.transpose(1, 2))
+    return workspace

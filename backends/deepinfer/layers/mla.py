@@ -90,9 +90,9 @@ class MLAttention(nn.Module):
             context = latent[chunk] if span.context_blocks is None else self._gather(span)
             out[chunk] = self._prefill(q_nope[chunk], q_pe[chunk], context)
         if batch.decode_index is not None:
-            assert batch.decode_blocks is not None and batch.decode_mask is not None
-            index = batch.decode_index
-            out[index] = self._decode(q_nope[index], q_pe[index], batch.decode_blocks, batch.decode_mask)
+            assert batch.decode_blocks is not None and batch.decode_plan is not None
+            index, plan = batch.decode_index, batch.decode_plan
+            out[index] = self._decode(q_nope[index], q_pe[index], batch.decode_blocks, plan.length, plan.mask)
         return self.o_proj(out.view(tokens, -1))
 
     def _gather(self, span: PrefillSpan) -> torch.Tensor:
@@ -108,12 +108,17 @@ class MLAttention(nn.Module):
         return prefill_attention(torch.cat((q_nope, q_pe), dim=-1), k, v, self.scale)
 
     def _decode(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, blocks: torch.Tensor, mask: torch.Tensor
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        blocks: torch.Tensor,
+        length: int,
+        mask: torch.Tensor | None,
     ) -> torch.Tensor:
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w.split([self.nope_dim, self.v_dim], dim=1)
         q_latent = torch.einsum("bhd,hdr->bhr", q_nope, w_uk)
-        context = gather(self.kv_cache, blocks).unsqueeze(2)  # [B, L, 1, r + rope]: one shared head
+        context = gather(self.kv_cache, blocks, length).unsqueeze(2)  # [B, L, 1, r + rope]: one shared head
         o_latent = decode_attention(
             torch.cat((q_latent, q_pe), dim=-1), context, context[..., : self.kv_lora_rank], mask, self.scale
         )

@@ -16,6 +16,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from types import FrameType
 from typing import Any
 
+from orchestrator.runtime.discovery import DEFAULT_TTL
+
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -56,6 +58,49 @@ def add_cluster_planes(parser: argparse.ArgumentParser) -> None:
         "--nats",
         default=env_default("WEIR_NATS", "nats://127.0.0.1:4222"),
         help="NATS URL for KV events and load reports (env WEIR_NATS; default nats://127.0.0.1:4222)",
+    )
+
+
+def add_service_arguments(
+    parser: argparse.ArgumentParser, what: str, env_prefix: str, default_port: int
+) -> None:
+    """The request-plane flags every cluster service (worker, router) takes, env vars included."""
+    plane = parser.add_argument_group("request plane")
+    plane.add_argument(
+        "--host",
+        default=env_default(f"{env_prefix}_HOST", "127.0.0.1"),
+        help=f"address the request plane listens on (env {env_prefix}_HOST; default 127.0.0.1)",
+    )
+    plane.add_argument(
+        "--port",
+        type=int,
+        default=env_default(f"{env_prefix}_PORT", default_port, int),
+        help=f"request-plane port; 0 picks a free one (env {env_prefix}_PORT; default {default_port})",
+    )
+    plane.add_argument(
+        "--advertise-host",
+        default=env_default("WEIR_ADVERTISE_HOST"),
+        help="address frontends dial, when --host is a wildcard (env WEIR_ADVERTISE_HOST; "
+        "default: --host, or this host's address)",
+    )
+    plane.add_argument(
+        "--metrics-port",
+        type=int,
+        default=env_default("WEIR_METRICS_PORT", None, int),
+        help="serve /live, /health and /metrics on this port (env WEIR_METRICS_PORT; default: off)",
+    )
+    plane.add_argument(
+        "--instance-id",
+        default=env_default("WEIR_INSTANCE_ID"),
+        help=f"this {what}'s id in discovery (env WEIR_INSTANCE_ID; default: hostname + random suffix)",
+    )
+    plane.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=env_default("WEIR_LEASE_TTL", DEFAULT_TTL, float),
+        metavar="SECONDS",
+        help=f"discovery lease: a dead {what} disappears after this long (env WEIR_LEASE_TTL; "
+        f"default {DEFAULT_TTL:g})",
     )
 
 

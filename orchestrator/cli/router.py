@@ -15,12 +15,12 @@ from orchestrator.cli.options import (
     add_cluster_planes,
     add_log_level,
     add_router_arguments,
-    env_default,
+    add_service_arguments,
     router_params,
     run_until_stopped,
     setup_logging,
 )
-from orchestrator.runtime.discovery import DEFAULT_TTL, make_discovery
+from orchestrator.runtime.discovery import make_discovery
 from orchestrator.runtime.events import make_event_plane
 from orchestrator.runtime.health import HealthServer
 from router.router import MODES
@@ -30,42 +30,7 @@ DEFAULT_PORT = 9100
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    plane = parser.add_argument_group("request plane")
-    plane.add_argument(
-        "--host",
-        default=env_default("WEIR_ROUTER_HOST", "127.0.0.1"),
-        help="address the request plane listens on (env WEIR_ROUTER_HOST; default 127.0.0.1)",
-    )
-    plane.add_argument(
-        "--port",
-        type=int,
-        default=env_default("WEIR_ROUTER_PORT", DEFAULT_PORT, int),
-        help=f"request-plane port; 0 picks a free one (env WEIR_ROUTER_PORT; default {DEFAULT_PORT})",
-    )
-    plane.add_argument(
-        "--advertise-host",
-        default=env_default("WEIR_ADVERTISE_HOST"),
-        help="address frontends dial, when --host is a wildcard (env WEIR_ADVERTISE_HOST; "
-        "default: --host, or this host's address)",
-    )
-    plane.add_argument(
-        "--metrics-port",
-        type=int,
-        default=env_default("WEIR_METRICS_PORT", None, int),
-        help="serve /live, /health and /metrics on this port (env WEIR_METRICS_PORT; default: off)",
-    )
-    plane.add_argument(
-        "--instance-id",
-        default=env_default("WEIR_INSTANCE_ID"),
-        help="this router's id in discovery (env WEIR_INSTANCE_ID; default: hostname + random suffix)",
-    )
-    plane.add_argument(
-        "--lease-ttl",
-        type=float,
-        default=env_default("WEIR_LEASE_TTL", DEFAULT_TTL, float),
-        metavar="SECONDS",
-        help=f"discovery lease (env WEIR_LEASE_TTL; default {DEFAULT_TTL:g})",
-    )
+    add_service_arguments(parser, "router", "WEIR_ROUTER", DEFAULT_PORT)
     add_router_arguments(parser, MODES, "kv")
     add_cluster_planes(parser)
     add_log_level(parser)

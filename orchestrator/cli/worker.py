@@ -13,8 +13,14 @@ import asyncio
 import sys
 
 from backends.registry import add_backend_arguments, make_engine, resolve_model, served_name
-from orchestrator.cli.options import add_cluster_planes, add_log_level, env_default, setup_logging
-from orchestrator.runtime.discovery import DEFAULT_TTL, make_discovery
+from orchestrator.cli.options import (
+    add_cluster_planes,
+    add_log_level,
+    add_service_arguments,
+    env_default,
+    setup_logging,
+)
+from orchestrator.runtime.discovery import make_discovery
 from orchestrator.runtime.engine import Engine
 from orchestrator.runtime.events import make_event_plane
 from orchestrator.runtime.worker_host import WorkerHost, serve_workers
@@ -28,44 +34,8 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="pool this worker joins (env WEIR_ROLE; default aggregated)",
     )
     add_backend_arguments(parser)
-    plane = parser.add_argument_group("request plane")
-    plane.add_argument(
-        "--host",
-        default=env_default("WEIR_WORKER_HOST", "127.0.0.1"),
-        help="address the request plane listens on (env WEIR_WORKER_HOST; default 127.0.0.1)",
-    )
-    plane.add_argument(
-        "--port",
-        type=int,
-        default=env_default("WEIR_WORKER_PORT", 0, int),
-        help="request-plane port; 0 picks a free one (env WEIR_WORKER_PORT; default 0)",
-    )
-    plane.add_argument(
-        "--advertise-host",
-        default=env_default("WEIR_ADVERTISE_HOST"),
-        help="address frontends dial, when --host is a wildcard (env WEIR_ADVERTISE_HOST; "
-        "default: --host, or this host's address)",
-    )
-    plane.add_argument(
-        "--metrics-port",
-        type=int,
-        default=env_default("WEIR_METRICS_PORT", None, int),
-        help="serve /live, /health and /metrics on this port (env WEIR_METRICS_PORT; default: off)",
-    )
-    plane.add_argument(
-        "--instance-id",
-        default=env_default("WEIR_INSTANCE_ID"),
-        help="this worker's id in discovery (env WEIR_INSTANCE_ID; default: hostname + random suffix)",
-    )
-    plane.add_argument(
-        "--lease-ttl",
-        type=float,
-        default=env_default("WEIR_LEASE_TTL", DEFAULT_TTL, float),
-        metavar="SECONDS",
-        help=f"discovery lease: a dead worker disappears after this long (env WEIR_LEASE_TTL; "
-        f"default {DEFAULT_TTL:g})",
-    )
-    plane.add_argument(
+    add_service_arguments(parser, "worker", "WEIR_WORKER", 0)
+    parser.add_argument(
         "--drain-timeout",
         type=float,
         default=60.0,

@@ -90,7 +90,7 @@ async def main(args: argparse.Namespace) -> dict[str, float]:
         await discovery.register(instance)
     service = RouterService(discovery, events, "bench", "kv")
     await service.start()
-    while MODEL not in service.models or len(service.models[MODEL].addresses) < len(workers):
+    while MODEL not in service.models or len(service.models[MODEL].workers) < len(workers):
         await asyncio.sleep(0.01)
     for batch in batches:
         await events.publish(subject("bench", MODEL, "kv"), msgspec.msgpack.encode(batch))

@@ -22,11 +22,11 @@ log = logging.getLogger("weir.frontend")
 async def generate(
     entry: ModelEntry, request: WorkerRequest, route: RouteRequest, max_retries: int, metrics: Metrics
 ) -> AsyncGenerator[TokenDelta, None]:
-    routing = entry.routing
+    routes = entry.routes
     failed: list[str] = []
     while True:
-        worker_id = await routing.select(route, failed)
-        stream = entry.workers[worker_id].generate(request)
+        worker_id = (await routes.select(route, failed)).worker_id
+        stream = routes.workers[worker_id].generate(request)
         streamed = False
         try:
             async for delta in stream:
@@ -43,4 +43,4 @@ async def generate(
             failed.append(worker_id)
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
-            routing.on_finish(worker_id, route.request_id)
+            routes.on_finish(worker_id, route.request_id)

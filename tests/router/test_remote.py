@@ -82,7 +82,7 @@ async def setup() -> AsyncIterator[Setup]:
         await host.start()
     await service.start()
     try:
-        await eventually(lambda: MODEL in service.models and len(service.models[MODEL].addresses) == 2)
+        await eventually(lambda: MODEL in service.models and len(service.models[MODEL].workers) == 2)
         await eventually(lambda: not service.models[MODEL].router.needs_resync())
         yield Setup(service, hosts, plane)
     finally:

@@ -1,0 +1,179 @@
+"""The routable workers of every model, each model with its own router: what a frontend and
+the standalone router (`weir router`) both keep, written once.
+
+`RoutingTable.apply` turns `Discovery.watch("worker")` events into membership: a model
+appears with its first routable worker and goes with its last; a worker that restarted
+elsewhere or now serves another card is removed and added again; a draining worker stays
+known but gets no requests. Each model's `ModelRoutes` holds its `Router`, the
+`RouterSubscriber` feeding it (when there is an event plane), a `RemoteRouter` when a
+standalone router decides, and one client per worker, through which snapshots are fetched.
+
+What else a model carries (the frontend's preprocessor and metrics) belongs to the owner: it
+subclasses `RoutingTable` and builds its per-model value in `_new_model`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from orchestrator.runtime.discovery import Discovery, DiscoveryEvent
+from orchestrator.runtime.events import EventPlane
+from orchestrator.runtime.protocol import Instance, KvSnapshot, ModelCard
+from orchestrator.runtime.request_plane import RemoteError, RequestPlaneClient, WorkerClient
+from router.avoid import select_avoiding
+from router.protocols import Decision, RouteRequest
+from router.remote import RemoteRouter
+from router.router import Router
+from router.subscriber import RouterSubscriber
+
+# Roles that take whole requests; prefill/decode pools need the disaggregated path.
+ROUTABLE_ROLES = ("aggregated",)
+
+
+@dataclass(slots=True, eq=False)
+class ModelRoutes:
+    """One model's routing: its router, what feeds it, and its workers' clients."""
+
+    name: str
+    router: Router  # with `remote`, places requests only while the standalone router is unreachable
+    subscriber: RouterSubscriber | None = None
+    remote: RemoteRouter | None = None
+    plane: RequestPlaneClient | None = None  # the remote router's connection, closed with the model
+    workers: dict[str, WorkerClient] = field(default_factory=dict)
+
+    async def subscribe(self, events: EventPlane, namespace: str) -> None:
+        """Feed the router from the event plane. Called before the first worker is added, so it
+        does not wait: workers added later are synced from their snapshots in the background."""
+        self.subscriber = RouterSubscriber(self.router, events, namespace, self.name, self.fetch_snapshot)
+        await self.subscriber.start()
+
+    async def select(self, request: RouteRequest, avoid: Collection[str] = ()) -> Decision:
+        """The decision for `request`, never naming one of `avoid` (they already failed it)."""
+        if self.remote is not None:
+            return await self.remote.select(request, avoid)
+        return select_avoiding(self.router, request, avoid)
+
+    def on_finish(self, worker_id: str, request_id: str) -> None:
+        (self.remote or self.router).on_finish(worker_id, request_id)
+
+    def add_worker(self, instance: Instance, total_blocks: int, client: WorkerClient) -> None:
+        self.workers[instance.instance_id] = client
+        self.router.add_worker(instance.instance_id, total_blocks)
+        self.router.set_draining(instance.instance_id, instance.draining)
+
+    def remove_worker(self, worker_id: str) -> None:
+        self.workers.pop(worker_id, None)
+        self.router.remove_worker(worker_id)
+
+    async def fetch_snapshot(self, worker_id: str) -> KvSnapshot:
+        client = self.workers.get(worker_id)
+        if client is None:
+            raise RemoteError("unavailable", f"worker {worker_id} of {self.name} is gone", retryable=True)
+        return await client.kv_snapshot()
+
+    async def close(self) -> None:
+        if self.remote is not None:
+            self.remote.close()
+        if self.plane is not None:
+            await self.plane.close()
+        if self.subscriber is not None:
+            await self.subscriber.stop()
+
+
+M = TypeVar("M")
+
+
+class RoutingTable(Generic[M]):
+    """Routable workers by model, following discovery. `M` is the owner's per-model value;
+    `_routes` finds its `ModelRoutes`."""
+
+    def __init__(self, client_factory: Callable[[Instance], WorkerClient], log: logging.Logger) -> None:
+        self.client_factory = client_factory
+        self.models: dict[str, M] = {}
+        self.instances: dict[str, Instance] = {}  # routable workers by instance id
+        self._log = log
+
+    @property
+    def worker_count(self) -> int:
+        return len(self.instances)
+
+    # ------------------------------------------------------------------ the owner's part
+
+    async def _new_model(self, card: ModelCard, client: WorkerClient) -> M:
+        """The model's value, built when its first worker (`client`) appears."""
+        raise NotImplementedError
+
+    def _routes(self, model: M) -> ModelRoutes:
+        raise NotImplementedError
+
+    async def _joined(self, model: M, card: ModelCard, client: WorkerClient) -> None:
+        """Another worker of a known model appears (before it is routable)."""
+
+    def _workers_changed(self, name: str) -> None:
+        """Model `name` gained or lost a worker, or is gone (no longer in `models`)."""
+
+    # ------------------------------------------------------------------ discovery
+
+    async def follow(self, discovery: Discovery) -> None:
+        """Apply discovery events until cancelled. One bad event is logged, never fatal."""
+        async for event in discovery.watch("worker"):
+            try:
+                await self.apply(event)
+            except Exception:
+                self._log.exception("could not apply discovery event for %s", event.instance.instance_id)
+
+    async def apply(self, event: DiscoveryEvent) -> None:
+        instance = event.instance
+        card = instance.card
+        if event.kind == "delete" or card is None or card.role not in ROUTABLE_ROLES:
+            await self.remove_worker(instance.instance_id)
+            return
+        known = self.instances.get(instance.instance_id)
+        if known is not None and known.card == card and known.address == instance.address:
+            self.instances[instance.instance_id] = instance
+            self._routes(self.models[card.name]).router.set_draining(instance.instance_id, instance.draining)
+            return
+        if known is not None:  # restarted elsewhere, or now serving something else
+            await self.remove_worker(instance.instance_id)
+        await self.add_worker(instance, card)
+
+    async def add_worker(self, instance: Instance, card: ModelCard) -> None:
+        client = self.client_factory(instance)
+        model = self.models.get(card.name)
+        if model is None:
+            # `follow` applies events one at a time, so no other event creates it meanwhile.
+            model = self.models[card.name] = await self._new_model(card, client)
+        else:
+            await self._joined(model, card, client)
+        self._routes(model).add_worker(instance, card.total_kv_blocks, client)
+        self.instances[instance.instance_id] = instance
+        self._workers_changed(card.name)
+        self._log.info(
+            "worker %s serves %s at %s", instance.instance_id, card.name, instance.address or "in-process"
+        )
+
+    async def remove_worker(self, instance_id: str) -> None:
+        instance = self.instances.pop(instance_id, None)
+        if instance is None or instance.card is None:
+            return
+        name = instance.card.name
+        routes = self._routes(self.models[name])
+        routes.remove_worker(instance_id)
+        if not routes.workers:
+            del self.models[name]
+        self._workers_changed(name)
+        self._log.info("worker %s of %s is gone", instance_id, name)
+        if not routes.workers:
+            await routes.close()
+            self._log.info("model %s has no workers left", name)
+
+    async def close(self) -> None:
+        """Forget every model and worker, closing each model's routing."""
+        models = list(self.models.items())
+        self.models.clear()
+        self.instances.clear()
+        for name, model in models:
+            self._workers_changed(name)
+            await self._routes(model).close()

@@ -152,32 +152,28 @@ def _percentile(values: list[float], q: float) -> float:
 
 @contextlib.contextmanager
 def _spawn(role: str, argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    from tests.servers import stop_process
+
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, __file__, "--role", role, *argv], stdout=out, stderr=out)
     try:
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def _wait_for_workers(
     port: int, workers: int, frontend: subprocess.Popen[bytes], timeout: float = 60
 ) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if frontend.poll() is not None:
-            raise RuntimeError("the frontend exited during start-up")
+    from tests.waiting import wait_until
+
+    def seen() -> bool:
         with contextlib.suppress(httpx.TransportError, ValueError):
             health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
-            if health.status_code == 200 and health.json().get("workers") == workers:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"the frontend did not see {workers} workers within {timeout}s")
+            return health.status_code == 200 and health.json().get("workers") == workers
+        return False
+
+    wait_until(seen, f"the frontend to see {workers} workers", timeout, proc=frontend, interval=0.1)
 
 
 def _run_client(argv: list[str], requests: int) -> dict[str, Any]:

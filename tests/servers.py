@@ -5,10 +5,11 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from tests.waiting import port_open, wait_until
 
 
 def free_port() -> int:
@@ -18,16 +19,17 @@ def free_port() -> int:
 
 
 def wait_for_port(port: int, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before listening on {port}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+    wait_until(lambda: port_open(port), f"127.0.0.1:{port} to listen", timeout, proc=proc)
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout` s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def find_binary(name: str, *extra: str) -> str | None:
@@ -45,12 +47,7 @@ def _process(args: list[str], port: int, log: Path) -> Iterator[subprocess.Popen
         wait_for_port(port, proc=proc)
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout=10)
 
 
 @contextmanager
@@ -94,7 +91,18 @@ def redis_server(workdir: Path) -> Iterator[str]:
     if binary is None:
         raise RuntimeError("redis-server not found: install Debian's redis-server")
     port = free_port()
-    args = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-            "--dir", str(workdir)]
+    args = [
+        binary,
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(workdir),
+    ]
     with _process(args, port, workdir / "redis.log"):
         yield f"redis://127.0.0.1:{port}"

@@ -6,12 +6,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
+from tests.servers import stop_process
+from tests.waiting import wait_http_ok, wait_until
 
 WEIR = [sys.executable, "-m", "orchestrator.cli.main"]
 REPO = Path(__file__).resolve().parents[2]
@@ -35,28 +35,12 @@ def weir_process(
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)
 
 
 def wait_healthy(base_url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 120.0) -> None:
     """Until GET /health answers 200 (the model is loaded and a worker is registered)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"weir exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{base_url}/health not ready after {timeout}s:\n{log.read_text()[-3000:]}")
+    wait_http_ok(f"{base_url}/health", timeout, proc=proc, log=log, interval=0.1)
 
 
 def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
@@ -66,12 +50,12 @@ def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: floa
 
 def wait_banner(proc: subprocess.Popen[bytes], log: Path, timeout: float = 180.0) -> str:
     """The URL from the one line `weir serve`/`weir frontend` print once listening (--port 0)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in log.read_text().splitlines():
-            if " on http://" in line:
-                return line.rsplit(" on ", 1)[1].split()[0]
-        if proc.poll() is not None:
-            raise RuntimeError(f"weir exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        time.sleep(0.1)
-    raise TimeoutError(f"no listening line after {timeout}s:\n{log.read_text()[-3000:]}")
+    urls: list[str] = []
+
+    def printed() -> bool:
+        lines = log.read_text().splitlines()
+        urls.extend(line.rsplit(" on ", 1)[1].split()[0] for line in lines if " on http://" in line)
+        return bool(urls)
+
+    wait_until(printed, "the listening line", timeout, proc=proc, log=log, interval=0.1)
+    return urls[0]

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
 import uvicorn
 import uvloop
 
@@ -27,6 +25,7 @@ from orchestrator.runtime.protocol import Instance
 from orchestrator.runtime.request_plane import LocalWorkerClient
 from orchestrator.runtime.worker_host import WorkerHost
 from tests.servers import free_port
+from tests.waiting import wait_http_ok
 
 T = TypeVar("T")
 MODEL = "mock-model"
@@ -121,21 +120,9 @@ def live_frontend(
     if not ready.wait(30):
         raise TimeoutError("frontend did not start")
     live = LiveFrontend(f"http://127.0.0.1:{port}", thread=thread, **started)
-    _wait_healthy(live.url)
+    wait_http_ok(f"{live.url}/health")
     try:
         yield live
     finally:
         live.server.should_exit = True
         thread.join(15)
-
-
-def _wait_healthy(url: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"{url}/health never became 200")

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,7 @@ from orchestrator.runtime.protocol import Instance, ModelCard
 from tests.frontend.live_frontend import MODEL, LiveFrontend, live_frontend
 from tests.frontend.tokenizer_dirs import build_chatml
 from tests.servers import free_port
+from tests.waiting import wait_until
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 
@@ -28,14 +27,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _client(live: LiveFrontend) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=30)
-
-
-def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.02)
 
 
 def _metric(live: LiveFrontend, line_start: str) -> float:
@@ -52,13 +43,13 @@ def test_client_disconnect_cancels_on_the_worker(model_dir: Path) -> None:
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
             assert live.active_requests() == 1
-        _wait_for(lambda: live.active_requests() == 0)
-        _wait_for(lambda: _metric(live, "weir_frontend_client_disconnects_total") == 1)
+        wait_until(lambda: live.active_requests() == 0)
+        wait_until(lambda: _metric(live, "weir_frontend_client_disconnects_total") == 1)
         # A non-streaming request whose client gives up is cancelled the same way.
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{live.url}/v1/chat/completions", json={**body, "stream": False}, timeout=1.0)
-        _wait_for(lambda: live.active_requests() == 0)
-        _wait_for(lambda: _metric(live, "weir_frontend_client_disconnects_total") == 2)
+        wait_until(lambda: live.active_requests() == 0)
+        wait_until(lambda: _metric(live, "weir_frontend_client_disconnects_total") == 2)
 
 
 def test_health_follows_workers_and_models_follow_discovery(model_dir: Path) -> None:
@@ -67,7 +58,7 @@ def test_health_follows_workers_and_models_follow_discovery(model_dir: Path) -> 
         assert httpx.get(f"{live.url}/health").json()["workers"] == 1
         (worker_id,) = live.engines
         live.call(lambda: live.discovery.deregister(worker_id))
-        _wait_for(lambda: httpx.get(f"{live.url}/health").status_code == 503)
+        wait_until(lambda: httpx.get(f"{live.url}/health").status_code == 503)
         assert _client(live).models.list().data == []
         with pytest.raises(openai.NotFoundError):
             _client(live).chat.completions.create(model=MODEL, messages=MESSAGES)
@@ -75,7 +66,7 @@ def test_health_follows_workers_and_models_follow_discovery(model_dir: Path) -> 
         live.call(
             lambda: live.discovery.register(Instance(instance_id=worker_id, component="worker", card=card))
         )
-        _wait_for(lambda: httpx.get(f"{live.url}/health").status_code == 200)
+        wait_until(lambda: httpx.get(f"{live.url}/health").status_code == 200)
         assert httpx.get(f"{live.url}/live").status_code == 200
         out = _client(live).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
         assert out.choices
@@ -90,7 +81,7 @@ def test_unreachable_worker_is_retried_on_another(model_dir: Path) -> None:
             instance_id="a-ghost", component="worker", address=f"127.0.0.1:{free_port()}", card=card
         )
         live.call(lambda: live.discovery.register(ghost))
-        _wait_for(lambda: httpx.get(f"{live.url}/health").json()["workers"] == 2)
+        wait_until(lambda: httpx.get(f"{live.url}/health").json()["workers"] == 2)
         client = _client(live)
         for _ in range(4):  # round-robin sends at least every other one to the ghost first
             out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
@@ -140,14 +131,14 @@ def test_many_streams_with_hang_ups_leave_nothing_behind(model_dir: Path) -> Non
 
         finished = asyncio.run(run())
         assert finished.count(True) == 20
-        _wait_for(lambda: live.active_requests() == 0)
+        wait_until(lambda: live.active_requests() == 0)
 
         def outcomes() -> tuple[float, float]:
             ok = _metric(live, 'weir_frontend_requests_total{endpoint="chat",status="200"}')
             return ok, _metric(live, "weir_frontend_client_disconnects_total")
 
         # A hang-up that lands after the last byte was sent counts as a success, not a disconnect.
-        _wait_for(lambda: sum(outcomes()) == 40)
+        wait_until(lambda: sum(outcomes()) == 40)
         ok, hung_up = outcomes()
         assert ok >= 20 and hung_up > 0
         assert _metric(live, 'weir_frontend_inflight_requests{endpoint="chat"}') == 0

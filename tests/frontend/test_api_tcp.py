@@ -3,7 +3,6 @@ reports on the event plane feeding the KV router, and a worker lost in the middl
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
@@ -12,6 +11,7 @@ import pytest
 
 from tests.frontend.live_frontend import MODEL, live_frontend
 from tests.frontend.tokenizer_dirs import build_chatml
+from tests.waiting import wait_until
 
 FIXED = {"ignore_eos": True}
 
@@ -40,13 +40,13 @@ def test_kv_events_steer_a_repeated_prefix_to_its_worker(model_dir: Path) -> Non
 
 def _wait_for_kv_events(url: str, timeout: float = 10.0) -> None:
     """Until the router has applied KV events (workers publish them every ~15 ms)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in httpx.get(f"{url}/metrics").text.splitlines():
-            if line.startswith("weir_router_kv_events_applied_total{") and float(line.rsplit(" ", 1)[1]) > 0:
-                return
-        time.sleep(0.02)
-    raise AssertionError("the router never applied a KV event")
+
+    def applied() -> bool:
+        lines = httpx.get(f"{url}/metrics").text.splitlines()
+        prefix = "weir_router_kv_events_applied_total{"
+        return any(line.startswith(prefix) and float(line.rsplit(" ", 1)[1]) > 0 for line in lines)
+
+    wait_until(applied, "the router to apply a KV event", timeout, interval=0.02)
 
 
 def test_worker_lost_mid_stream_ends_the_stream_with_an_error(model_dir: Path) -> None:

@@ -4,13 +4,13 @@ stored and validated and subresources work; `status` changes only when a test wr
 
 from __future__ import annotations
 
+import functools
 import gzip
 import os
 import secrets
 import shutil
 import ssl
 import subprocess
-import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,7 +21,8 @@ import yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from tests.servers import etcd_server, free_port
+from tests.servers import etcd_server, free_port, stop_process
+from tests.waiting import wait_until
 
 
 @dataclass(frozen=True)
@@ -76,25 +77,16 @@ def _write_kubeconfig(path: Path, url: str, ca_file: Path, user: str, token: str
     path.write_text(yaml.safe_dump(config))
 
 
-def _wait_ready(url: str, token: str, ca_file: Path, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kube-apiserver exited with {proc.returncode}")
-        if ca_file.exists():
-            try:
-                context = ssl.create_default_context(cafile=str(ca_file))
-                request = urllib.request.Request(
-                    f"{url}/readyz", headers={"Authorization": f"Bearer {token}"}
-                )
-                with urllib.request.urlopen(request, context=context, timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except Exception as exc:  # not up yet: refused, 500 while post-start hooks run, ...
-                last = exc
-        time.sleep(0.2)
-    raise TimeoutError(f"kube-apiserver not ready after {timeout}s: {last}")
+def _ready(url: str, token: str, ca_file: Path) -> bool:
+    if not ca_file.exists():
+        return False
+    try:
+        context = ssl.create_default_context(cafile=str(ca_file))
+        request = urllib.request.Request(f"{url}/readyz", headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(request, context=context, timeout=2) as response:
+            return bool(response.status == 200)
+    except Exception:  # not up yet: refused, 500 while post-start hooks run, ...
+        return False
 
 
 @contextmanager
@@ -130,19 +122,16 @@ def kube_apiserver(
         ]
         url = f"https://127.0.0.1:{port}"
         ca_file = certs / "apiserver.crt"
-        with (workdir / "kube-apiserver.log").open("wb") as log:
+        log = workdir / "kube-apiserver.log"
+        with log.open("wb") as out:
             # GOMAXPROCS: the apiserver would otherwise spin a thread per core; 2 is plenty here.
             env = {**os.environ, "GOMAXPROCS": "2"}
-            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
-            _wait_ready(url, token, ca_file, proc, timeout=60)
+            ready = functools.partial(_ready, url, token, ca_file)
+            wait_until(ready, "kube-apiserver to be ready", 60, proc=proc, log=log, interval=0.2)
             kubeconfig = workdir / "kubeconfig"
             _write_kubeconfig(kubeconfig, url, ca_file, "admin", token)
             yield ApiServer(url=url, token=token, ca_file=ca_file, kubeconfig=kubeconfig)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc)

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import yaml
 
 from tests.k8s.helm import Manifest, find, one, render
 from tests.servers import free_port
+from tests.waiting import wait_http_ok
 
 pytestmark = pytest.mark.slow
 
@@ -35,19 +35,6 @@ def container_env(manifests: list[Manifest], container: Manifest, pod_ip: str) -
         elif var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
             env[var["name"]] = pod_ip
     return env
-
-
-def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the process behind {url} exited with {proc.returncode}"
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"{url} never answered 200")
 
 
 @pytest.fixture
@@ -94,10 +81,10 @@ def pods(helm_bin: str, etcd_url: str, nats_url: str, tmp_path: Path) -> Iterato
 def test_rendered_pods_find_each_other_and_serve(pods: dict[str, Any]) -> None:
     worker, frontend = pods["procs"]
     # The probes the chart declares.
-    _wait_http(f"http://127.0.0.1:{pods['metrics_port']}/live", worker)
-    _wait_http(f"http://127.0.0.1:{pods['metrics_port']}/health", worker)
-    _wait_http(f"http://127.0.0.1:{pods['api_port']}/live", frontend)
-    _wait_http(f"http://127.0.0.1:{pods['api_port']}/health", frontend)  # ready: it has a worker
+    wait_http_ok(f"http://127.0.0.1:{pods['metrics_port']}/live", 90, proc=worker)
+    wait_http_ok(f"http://127.0.0.1:{pods['metrics_port']}/health", 90, proc=worker)
+    wait_http_ok(f"http://127.0.0.1:{pods['api_port']}/live", 90, proc=frontend)
+    wait_http_ok(f"http://127.0.0.1:{pods['api_port']}/health", 90, proc=frontend)  # ready: it has a worker
 
     reply = httpx.post(
         f"http://127.0.0.1:{pods['api_port']}/v1/completions",

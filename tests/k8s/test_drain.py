@@ -20,7 +20,7 @@ import pytest
 from orchestrator.cli.main import main
 from orchestrator.runtime.discovery import drain_key, make_discovery
 from orchestrator.runtime.protocol import Instance, ModelCard
-from tests.servers import free_port, wait_for_port
+from tests.servers import free_port, stop_process, wait_for_port
 
 CARD = ModelCard(name="mock-model", role="decode", backend="mocker")
 
@@ -91,15 +91,6 @@ def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 @pytest.fixture
 def cluster(etcd_url: str, nats_url: str, tmp_path: Path) -> Iterator[tuple[str, str]]:
     """One mocker worker and one frontend as separate processes; yields (namespace, API URL)."""
@@ -116,8 +107,8 @@ def cluster(etcd_url: str, nats_url: str, tmp_path: Path) -> Iterator[tuple[str,
         wait_for_port(api_port, timeout=60, proc=frontend)
         yield namespace, f"http://127.0.0.1:{api_port}/v1"
     finally:
-        _stop(frontend)
-        _stop(worker)
+        stop_process(frontend)
+        stop_process(worker)
 
 
 @needs_worker

@@ -16,6 +16,7 @@ import openai
 from backends.registry import DEFAULT_MODEL
 from tests.cli.procs import wait_healthy, weir_process
 from tests.servers import free_port
+from tests.waiting import wait_until
 
 Procs = dict[str, subprocess.Popen[bytes]]
 LEASE_TTL = 2.0
@@ -101,10 +102,7 @@ def start_frontend(
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, frontend, log)
     cluster = KvCluster(url, workers)
-    deadline = time.monotonic() + 60
-    while cluster.known_workers() < len(WORKERS):
-        assert time.monotonic() < deadline, "the frontend never saw all workers"
-        time.sleep(0.1)
+    wait_until(lambda: cluster.known_workers() >= len(WORKERS), "the frontend to see all workers", 60)
     return cluster
 
 

@@ -5,8 +5,7 @@ unreachable router leaves placement to the local fallback."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +28,7 @@ from router.remote import RemoteRouter
 from router.router import make_router
 from router.service import RouterService
 from tests.servers import free_port
+from tests.waiting import eventually
 
 MODEL = "m"
 BS = 16
@@ -58,13 +58,6 @@ class Setup:
         )
         async for _ in TcpWorkerClient(self.plane, self.hosts[worker_id].address).generate(request):
             pass
-
-
-async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 def route(request_id: str, tokens: list[int]) -> RouteRequest:

@@ -34,6 +34,7 @@ from tests.router.cluster import (
     start_workers,
 )
 from tests.servers import free_port
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -76,10 +77,13 @@ def setup(etcd_url: str, nats_url: str, tmp_path: Path) -> Iterator[Setup]:
             )
             wait_healthy(router_url, proc, log)
             labels = f'model="{DEFAULT_MODEL}"'
-            deadline = time.monotonic() + 60
-            while result.router_metric("weir_router_workers", labels) < len(WORKERS):
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.1)
+            wait_until(
+                lambda: result.router_metric("weir_router_workers", labels) >= len(WORKERS),
+                "the router to see all workers",
+                60,
+                proc=proc,
+                log=log,
+            )
             return proc
 
         _, worker_metrics = start_workers(stack, plane_args, tmp_path)

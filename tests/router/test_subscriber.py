@@ -14,6 +14,7 @@ from orchestrator.runtime.protocol import BlockStored, KvEvent, KvEventBatch, Kv
 from router.protocols import RouteRequest
 from router.router import Router, make_router
 from router.subscriber import RouterSubscriber
+from tests.waiting import eventually
 
 BS = 4
 encode = msgspec.msgpack.encode
@@ -44,13 +45,6 @@ class Worker:
             raise ConnectionError("worker unreachable")
         self.snapshots += 1
         return KvSnapshot(worker_id="", event_id=self.event_id, blocks={"device": list(self.blocks)})
-
-
-async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 def kv_router(*workers: Worker) -> Router:

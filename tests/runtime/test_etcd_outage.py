@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import shutil
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -81,10 +81,14 @@ async def eventually_listed(discovery: Discovery, ids: list[str], timeout: float
     return False
 
 
-@pytest.mark.slow
-async def test_outage_keeps_known_workers_and_restores_registrations(etcd: RestartableEtcd) -> None:
-    worker_side = make_discovery(etcd.url, "outage", ttl=2)
-    frontend_side = make_discovery(etcd.url, "outage", ttl=2)
+@contextlib.asynccontextmanager
+async def watched(
+    etcd: RestartableEtcd, namespace: str
+) -> AsyncIterator[tuple[Discovery, Discovery, list[DiscoveryEvent]]]:
+    """A worker's discovery and a frontend's, the frontend watching workers: (worker side,
+    frontend side, the events it saw so far)."""
+    worker_side = make_discovery(etcd.url, namespace, ttl=2)
+    frontend_side = make_discovery(etcd.url, namespace, ttl=2)
     events: list[DiscoveryEvent] = []
 
     async def watch() -> None:
@@ -93,6 +97,16 @@ async def test_outage_keeps_known_workers_and_restores_registrations(etcd: Resta
 
     watcher = asyncio.create_task(watch())
     try:
+        yield worker_side, frontend_side, events
+    finally:
+        watcher.cancel()
+        await worker_side.close()
+        await frontend_side.close()
+
+
+@pytest.mark.slow
+async def test_outage_keeps_known_workers_and_restores_registrations(etcd: RestartableEtcd) -> None:
+    async with watched(etcd, "outage") as (worker_side, frontend_side, events):
         await worker_side.register(Instance(instance_id="w1", component="worker", address="127.0.0.1:7"))
         await until(events, lambda e: len(e) == 1, 10)
 
@@ -110,24 +124,11 @@ async def test_outage_keeps_known_workers_and_restores_registrations(etcd: Resta
         # And the watch is live again for new changes.
         await worker_side.register(Instance(instance_id="w2", component="worker", address="127.0.0.1:8"))
         await until(events, lambda e: e[-1].instance.instance_id == "w2", 10)
-    finally:
-        watcher.cancel()
-        await worker_side.close()
-        await frontend_side.close()
 
 
 @pytest.mark.slow
 async def test_short_outage_with_data_kept_loses_nothing(etcd: RestartableEtcd) -> None:
-    worker_side = make_discovery(etcd.url, "blip", ttl=2)
-    frontend_side = make_discovery(etcd.url, "blip", ttl=2)
-    events: list[DiscoveryEvent] = []
-
-    async def watch() -> None:
-        async for event in frontend_side.watch("worker"):
-            events.append(event)
-
-    watcher = asyncio.create_task(watch())
-    try:
+    async with watched(etcd, "blip") as (worker_side, frontend_side, events):
         await worker_side.register(Instance(instance_id="w1", component="worker"))
         await until(events, lambda e: len(e) == 1, 10)
         etcd.stop()
@@ -141,7 +142,3 @@ async def test_short_outage_with_data_kept_loses_nothing(etcd: RestartableEtcd) 
         await asyncio.sleep(3)  # past the TTL: keep-alives must be flowing again
         assert await eventually_listed(frontend_side, ["w1", "w2"], 5)
         assert [e.kind for e in events] == ["put", "put"]
-    finally:
-        watcher.cancel()
-        await worker_side.close()
-        await frontend_side.close()

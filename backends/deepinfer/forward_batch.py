@@ -46,17 +46,20 @@ class DecodePlan:
     """How the decode tokens' contexts sit in the attention layers' decode workspaces
     (`[B, Hk, capacity, d]`, row i for decode token i), decided once per step by the runner.
 
-    `refill`: the batch is not the previous step's sequences one token further on (a sequence
-    joined, left or was preempted, or the workspace is full), so every layer rebuilds its
-    workspace from the paged cache (after storing this step's k/v there); otherwise each layer
-    writes only this step's k/v, at `positions`, and the rest is what the previous steps left."""
+    A sequence that decoded in the previous step and is one token further on keeps its row's
+    contents (moved to its new row if the batch changed) and gets only this step's k/v
+    appended; any other row is rebuilt from the paged cache (after this step's k/v were stored
+    there). A stable batch thus writes one entry per row and layer instead of gathering every
+    context again."""
 
-    refill: bool
     capacity: int  # positions per workspace row (a multiple of the block size)
     length: int  # the longest context this step
-    rows: torch.Tensor  # [B] arange: the workspace row of each decode token
-    positions: torch.Tensor  # [B] each decode token's own position (its context length - 1)
     mask: torch.Tensor | None  # [B, 1, 1, length] bool, True on real context; None if all are `length`
+    reuse: bool  # every row continues in place: append to the previous workspace (its first B rows)
+    keep_from: torch.Tensor | None  # [K] previous rows that continue (None when `reuse` or K = 0)
+    fresh: torch.Tensor | None  # [F] rows rebuilt from the paged cache
+    append_rows: torch.Tensor | None  # [K] rows of the continuing sequences, which take this step's k/v
+    append_positions: torch.Tensor | None  # [K] where: each one's own position (context length - 1)
 
 
 @dataclass(slots=True)

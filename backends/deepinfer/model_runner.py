@@ -196,30 +196,43 @@ class ModelRunner:
         return batch
 
     def _decode_plan(self, seqs: list[Sequence], lengths: list[int], width: int) -> DecodePlan:
-        """Append to the decode workspaces when this step's decode tokens are the previous
-        step's, in order, one token further on; otherwise refill them (with room to grow)."""
+        """Which workspace rows carry over from the previous step (a sequence one token further
+        on) and which are rebuilt from the paged cache (new to decoding, or everything when the
+        longest context outgrows the workspace; then it is sized with room to grow)."""
         length = max(lengths)
-        previous, self._decode_seqs = self._decode_seqs, seqs
-        previous_lengths, self._decode_lengths = self._decode_lengths, lengths
-        append = (
-            length <= self._decode_capacity
-            and len(previous) == len(seqs)
-            and all(a is b for a, b in zip(previous, seqs, strict=True))
-            and all(n == p + 1 for n, p in zip(lengths, previous_lengths, strict=True))
-        )
-        if not append:
+        previous = {
+            id(s): (row, n)
+            for row, (s, n) in enumerate(zip(self._decode_seqs, self._decode_lengths, strict=True))
+        }
+        self._decode_seqs, self._decode_lengths = seqs, lengths
+        if length > self._decode_capacity:
             self._decode_capacity = (width + _WORKSPACE_HEADROOM_BLOCKS) * self.block_size
+            previous = {}
+        keep_from: list[int] = []
+        keep_to: list[int] = []
+        fresh: list[int] = []
+        for row, (seq, n) in enumerate(zip(seqs, lengths, strict=True)):
+            old = previous.get(id(seq))  # the previous list is alive, so ids are unambiguous
+            if old is not None and old[1] == n - 1:
+                keep_from.append(old[0])
+                keep_to.append(row)
+            else:
+                fresh.append(row)
         lengths_t = self._tensor(lengths)
         mask = None
         if min(lengths) < length:
             mask = (torch.arange(length, device=self.device)[None, :] < lengths_t[:, None])[:, None, None, :]
+        rows = self._tensor(keep_to)
+        reuse = not fresh and keep_from == keep_to  # every row continues where it was
         return DecodePlan(
-            refill=not append,
             capacity=self._decode_capacity,
             length=length,
-            rows=torch.arange(len(seqs), device=self.device),
-            positions=lengths_t - 1,
             mask=mask,
+            reuse=reuse,
+            keep_from=None if reuse or not keep_from else self._tensor(keep_from),
+            fresh=self._tensor(fresh) if fresh else None,
+            append_rows=rows if keep_to else None,
+            append_positions=lengths_t.index_select(0, rows) - 1 if keep_to else None,
         )
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:

@@ -121,12 +121,8 @@ class Attention(nn.Module):
         if batch.decode_index is not None:
             assert batch.decode_blocks is not None and batch.decode_plan is not None
             index, plan = batch.decode_index, batch.decode_plan
-            if plan.refill:
-                self.k_decode = _workspace(self.k_cache, batch.decode_blocks, plan)
-                self.v_decode = _workspace(self.v_cache, batch.decode_blocks, plan)
-            else:
-                self.k_decode[plan.rows, :, plan.positions] = k[index]
-                self.v_decode[plan.rows, :, plan.positions] = v[index]
+            self.k_decode = _workspace(self.k_decode, self.k_cache, batch.decode_blocks, plan, k[index])
+            self.v_decode = _workspace(self.v_decode, self.v_cache, batch.decode_blocks, plan, v[index])
             keys = self.k_decode.narrow(2, 0, plan.length)
             values = self.v_decode.narrow(2, 0, plan.length)
             out[index] = grouped_decode_attention(q[index], keys, values, plan.mask, self.scale).to(q.dtype)
@@ -141,12 +137,25 @@ class Attention(nn.Module):
         return gather(self.k_cache, blocks, span.length), gather(self.v_cache, blocks, span.length)
 
 
-def _workspace(cache: torch.Tensor, blocks: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
-    """The contexts of block tables `blocks` `[B, N]` as a head-major `[B, Hk, capacity, d]`
-    workspace. Zero beyond what was gathered, so masked-out positions never hold a NaN (a
-    masked NaN still poisons the softmax)."""
-    gathered = gather(cache, blocks, plan.length)  # [B, length, Hk, d]
-    b, length, heads, dim = gathered.shape
-    workspace = cache.new_zeros(b, heads, plan.capacity, dim)
-    workspace[:, :, :length].copy_(gathered.transpose(1, 2))
+def _workspace(
+    previous: torch.Tensor, cache: torch.Tensor, blocks: torch.Tensor, plan: DecodePlan, new: torch.Tensor
+) -> torch.Tensor:
+    """This step's decode workspace `[B, Hk, capacity, d]` for the block tables `blocks`
+    `[B, N]`, from the previous one and the paged `cache`; `new` `[B, Hk, d]` are this step's
+    entries. A fresh workspace is zero where nothing was written, so masked-out positions never
+    hold a NaN (a masked NaN still poisons the softmax)."""
+    b = blocks.shape[0]
+    if plan.reuse:
+        workspace = previous.narrow(0, 0, b)
+    else:
+        heads, dim = cache.shape[2], cache.shape[3]
+        workspace = cache.new_zeros(b, heads, plan.capacity, dim)
+        if plan.keep_from is not None:
+            assert plan.append_rows is not None
+            workspace.index_copy_(0, plan.append_rows, previous.index_select(0, plan.keep_from))
+        if plan.fresh is not None:
+            gathered = gather(cache, blocks.index_select(0, plan.fresh), plan.length)  # [F, length, Hk, d]
+            workspace[plan.fresh, :, : plan.length] = gathered.transpose(1, 2)
+    if plan.append_rows is not None:
+        workspace[plan.append_rows, :, plan.append_positions] = new.index_select(0, plan.append_rows)
     return workspace

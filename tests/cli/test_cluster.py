@@ -4,103 +4,47 @@ routing to it, and requests keep succeeding on the other throughout."""
 
 from __future__ import annotations
 
-import re
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
 from backends.registry import DEFAULT_MODEL
 from tests.cli.procs import wait_healthy, weir_process
+from tests.cluster import LEASE_TTL, Cluster, Procs, planes, start_frontend, start_workers
 from tests.servers import free_port
 from tests.waiting import wait_until
 
-LEASE_TTL = 2.0  # etcd's smallest lease with its default election timeout
-MOCKER = ["--backend", "mocker", "--speedup", "1000"]
-
 pytestmark = pytest.mark.slow
 
-
-def metric(text: str, name: str, labels: str = "") -> float:
-    """One sample's value from Prometheus text, 0 if absent."""
-    pattern = (
-        rf"^{re.escape(name)}(?:\{{{re.escape(labels)}\}})? ([0-9.e+-]+)$" if labels else rf"^{name} (\S+)$"
-    )
-    found = re.search(pattern, text, re.MULTILINE)
-    return float(found.group(1)) if found else 0.0
+WORKERS = ("worker-a", "worker-b")
 
 
-class Cluster:
-    def __init__(self, frontend: str, workers: dict[str, str]) -> None:
-        self.frontend = frontend
-        self.workers = workers  # instance id -> metrics base URL
-        self.client = openai.OpenAI(base_url=f"{frontend}/v1", api_key="unused", max_retries=0, timeout=30)
-
+class PingCluster(Cluster):
     def complete(self) -> None:
         reply = self.client.completions.create(
             model=DEFAULT_MODEL, prompt="ping", max_tokens=4, extra_body={"ignore_eos": True}
         )
         assert reply.choices[0].finish_reason == "length"
 
-    def served_by(self, worker: str) -> float:
-        text = httpx.get(f"{self.workers[worker]}/metrics", timeout=5).text
-        return metric(text, "weir_worker_requests_total", f'outcome="ok",worker="{worker}"')
-
-    def frontend_metric(self, name: str) -> float:
-        return metric(httpx.get(f"{self.frontend}/metrics", timeout=5).text, name)
-
-    def known_workers(self) -> int:
-        return int(httpx.get(f"{self.frontend}/health", timeout=5).json()["workers"])
-
 
 @pytest.fixture
-def cluster(
-    etcd_url: str, nats_url: str, tmp_path: Path
-) -> Iterator[tuple[Cluster, dict[str, subprocess.Popen[bytes]]]]:
-    namespace = f"cluster-{time.monotonic_ns()}"
-    planes = ["--etcd", etcd_url, "--nats", nats_url, "--namespace", namespace]
-    port = free_port()
+def cluster(etcd_url: str, nats_url: str, tmp_path: Path) -> Iterator[tuple[PingCluster, Procs]]:
+    plane_args = planes(etcd_url, nats_url, "cluster")
     with ExitStack() as stack:
-        procs: dict[str, subprocess.Popen[bytes]] = {}
-        workers: dict[str, str] = {}
-        for name in ("worker-a", "worker-b"):
-            metrics_port = free_port()
-            procs[name] = stack.enter_context(
-                weir_process(
-                    "worker",
-                    *MOCKER,
-                    *planes,
-                    "--instance-id",
-                    name,
-                    "--lease-ttl",
-                    str(LEASE_TTL),
-                    "--metrics-port",
-                    str(metrics_port),
-                    log=tmp_path / f"{name}.log",
-                )
-            )
-            workers[name] = f"http://127.0.0.1:{metrics_port}"
-        frontend_log = tmp_path / "frontend.log"
-        frontend = procs["frontend"] = stack.enter_context(
-            weir_process(
-                "frontend", *planes, "--port", str(port), "--router-mode", "round-robin", log=frontend_log
-            )
+        procs, workers = start_workers(stack, plane_args, tmp_path, WORKERS)
+        url, procs["frontend"] = start_frontend(
+            stack, plane_args, tmp_path, len(WORKERS), "--router-mode", "round-robin"
         )
-        base_url = f"http://127.0.0.1:{port}"
-        wait_healthy(base_url, frontend, frontend_log)
-        result = Cluster(base_url, workers)
-        wait_until(lambda: result.known_workers() >= 2, "the frontend to see both workers", 60)
-        yield result, procs
+        yield PingCluster(url, workers), procs
 
 
 def test_killed_worker_stops_receiving_requests_within_lease_ttl(
-    cluster: tuple[Cluster, dict[str, subprocess.Popen[bytes]]],
+    cluster: tuple[PingCluster, Procs],
 ) -> None:
     c, procs = cluster
     for _ in range(8):
@@ -146,7 +90,7 @@ def test_deepinfer_worker_serves_in_cluster_mode(etcd_url: str, nats_url: str, t
     from backends.deepinfer.tiny import build_checkpoint
 
     model = build_checkpoint(tmp_path / "tiny-llama", "llama")
-    planes = ["--etcd", etcd_url, "--nats", nats_url, "--namespace", f"deepinfer-{time.monotonic_ns()}"]
+    plane_args = planes(etcd_url, nats_url, "deepinfer")
     port = free_port()
     with (
         weir_process(
@@ -161,10 +105,10 @@ def test_deepinfer_worker_serves_in_cluster_mode(etcd_url: str, nats_url: str, t
             "cpu",
             "--num-kv-blocks",
             "64",
-            *planes,
+            *plane_args,
             log=tmp_path / "worker.log",
         ) as worker,
-        weir_process("frontend", *planes, "--port", str(port), log=tmp_path / "frontend.log") as frontend,
+        weir_process("frontend", *plane_args, "--port", str(port), log=tmp_path / "frontend.log") as frontend,
     ):
         base_url = f"http://127.0.0.1:{port}"
         wait_healthy(base_url, frontend, tmp_path / "frontend.log")

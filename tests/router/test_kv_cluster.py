@@ -13,17 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.router.cluster import (
-    LEASE_TTL,
-    PREFIX,
-    WORKERS,
-    KvCluster,
-    Procs,
-    new_requests,
-    planes,
-    start_frontend,
-    start_workers,
-)
+from tests.cluster import LEASE_TTL, Procs, planes, start_frontend, start_workers
+from tests.router.cluster import PREFIX, WORKERS, KvCluster, new_requests
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -33,8 +24,9 @@ pytestmark = pytest.mark.slow
 def cluster(etcd_url: str, nats_url: str, tmp_path: Path) -> Iterator[tuple[KvCluster, Procs]]:
     plane_args = planes(etcd_url, nats_url, "kv")
     with ExitStack() as stack:
-        procs, metrics = start_workers(stack, plane_args, tmp_path)
-        yield start_frontend(stack, plane_args, tmp_path, metrics, "--router-mode", "kv"), procs
+        procs, metrics = start_workers(stack, plane_args, tmp_path, WORKERS)
+        url, _ = start_frontend(stack, plane_args, tmp_path, len(WORKERS), "--router-mode", "kv")
+        yield KvCluster(url, metrics), procs
 
 
 def test_shared_prefix_follows_the_cache_and_forgets_a_killed_worker(

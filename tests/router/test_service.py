@@ -22,17 +22,8 @@ import pytest
 
 from backends.registry import DEFAULT_MODEL
 from tests.cli.procs import wait_healthy, weir_process
-from tests.router.cluster import (
-    LEASE_TTL,
-    PREFIX,
-    WORKERS,
-    KvCluster,
-    metric,
-    new_requests,
-    planes,
-    start_frontend,
-    start_workers,
-)
+from tests.cluster import LEASE_TTL, metric, planes, start_frontend, start_workers
+from tests.router.cluster import PREFIX, WORKERS, KvCluster, new_requests
 from tests.servers import free_port
 from tests.waiting import wait_until
 
@@ -86,10 +77,10 @@ def setup(etcd_url: str, nats_url: str, tmp_path: Path) -> Iterator[Setup]:
             )
             return proc
 
-        _, worker_metrics = start_workers(stack, plane_args, tmp_path)
+        _, worker_metrics = start_workers(stack, plane_args, tmp_path, WORKERS)
         address = ("--router-mode", "remote", "--router-address", f"127.0.0.1:{port}")
-        cluster = start_frontend(stack, plane_args, tmp_path, worker_metrics, *address)
-        result = Setup(cluster, start_router, router_url)
+        url, _ = start_frontend(stack, plane_args, tmp_path, len(WORKERS), *address)
+        result = Setup(KvCluster(url, worker_metrics), start_router, router_url)
         yield result
 
 

@@ -42,6 +42,7 @@ from orchestrator.runtime.request_plane import (
     RequestPlaneServer,
     dial_address,
 )
+from orchestrator.runtime.throttled_log import ThrottledWarning
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class WorkerHost:
         self._idle.set()
         self._drained: asyncio.Future[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._last_warning = 0.0
+        self._warn = ThrottledWarning(log)
 
     @property
     def address(self) -> str:
@@ -216,10 +217,7 @@ class WorkerHost:
                     await self.events.publish(load_subject, _encode(load))
                     last, last_sent = msgspec.structs.replace(load), now
             except Exception as exc:  # the event plane is best effort: never stop serving for it
-                now = time.monotonic()
-                if now - self._last_warning > 5.0:
-                    self._last_warning = now
-                    log.warning("worker %s: publishing events failed: %r", self.instance_id, exc)
+                self._warn("worker %s: publishing events failed: %r", self.instance_id, exc)
 
     async def _watch_drain_key(self) -> None:
         key = drain_key(self.instance_id)

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import time
 from collections.abc import AsyncIterator, Iterator
 from urllib.parse import urlparse
 
@@ -27,6 +26,7 @@ import aetcd
 
 from orchestrator.runtime.discovery.base import DEFAULT_TTL, Discovery, DiscoveryUnavailable, KeyEvent
 from orchestrator.runtime.discovery.keys import namespace_root
+from orchestrator.runtime.throttled_log import ThrottledWarning
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class EtcdDiscovery(Discovery):
         self._lease_lock = asyncio.Lock()
         self._keepalive: asyncio.Task[None] | None = None
         self._closed = False
-        self._last_warning = 0.0
+        self._warn = ThrottledWarning(log)  # an outage fails every retry
 
     # ------------------------------------------------------------------ key-value
 
@@ -204,10 +204,3 @@ class EtcdDiscovery(Discovery):
 
     def _relative(self, key: bytes) -> str:
         return key.decode()[len(self._root) :]
-
-    def _warn(self, message: str) -> None:
-        # An outage produces one failure per retry; one line per few seconds is enough.
-        now = time.monotonic()
-        if now - self._last_warning > 5.0:
-            self._last_warning = now
-            log.warning(message)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 
 import nats
 from nats.aio.client import Client
@@ -19,6 +18,7 @@ from nats.aio.subscription import Subscription as NatsSub
 from nats.errors import Error as NatsError
 
 from orchestrator.runtime.events.base import EventPlane, Subscription
+from orchestrator.runtime.throttled_log import ThrottledWarning
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class NatsEventPlane(EventPlane):
         self._nc: Client | None = None
         self._lock = asyncio.Lock()
         self._subscriptions: set[NatsSubscription] = set()
-        self._last_warning = 0.0
+        self.warn = ThrottledWarning(log)  # an outage fails every retry
         self._closing = False
 
     async def connection(self) -> Client:
@@ -71,13 +71,6 @@ class NatsEventPlane(EventPlane):
             with contextlib.suppress(NatsError, OSError):
                 await self._nc.close()
             self._nc = None
-
-    def warn(self, message: str) -> None:
-        # One line per few seconds during an outage, not one per retry.
-        now = time.monotonic()
-        if now - self._last_warning > 5.0:
-            self._last_warning = now
-            log.warning(message)
 
     async def _on_error(self, exc: Exception) -> None:
         self.warn(f"NATS {self.url}: {exc!r}")

@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import time
 from typing import cast
 
 import msgspec
 
 from orchestrator.runtime.request_plane.frames import MAX_FRAME_BYTES, Frame, append_frame, decoder
+from orchestrator.runtime.throttled_log import ThrottledWarning
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class FrameProtocol(asyncio.Protocol):
         self._wbuf = bytearray()
         self._flush_pending = False
         self._writable: asyncio.Future[None] | None = None
-        self._last_warning = 0.0
+        self.warn = ThrottledWarning(log)
 
     # ------------------------------------------------------------------ subclass hooks
 
@@ -130,9 +130,3 @@ class FrameProtocol(asyncio.Protocol):
             pos = stop
         if pos < end:
             self._rbuf += view[pos:]
-
-    def warn(self, message: str) -> None:
-        now = time.monotonic()
-        if now - self._last_warning > 5.0:
-            self._last_warning = now
-            log.warning(message)

@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -33,6 +31,7 @@ from orchestrator.runtime.request_plane import (
     WorkerClient,
     dial_address,
 )
+from orchestrator.runtime.worker_host import default_instance_id
 from router.endpoints import ROUTE, RouteAnswer, RouteCall
 from router.metrics import RouterMetrics, default_metrics
 from router.protocols import NoWorkerAvailable, RouteRequest
@@ -75,7 +74,7 @@ class RouterService(RoutingTable[ModelRoutes]):
         self.host = host
         self.port = port
         self.advertise_host = advertise_host
-        self.instance_id = instance_id or f"router-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+        self.instance_id = instance_id or f"router-{default_instance_id()}"
         self.metrics = metrics or default_metrics()
         self.instance: Instance | None = None
         self._server = RequestPlaneServer({ROUTE: self._route})

@@ -7,8 +7,8 @@ block-table views. Tokens of all chunks are concatenated in chunk order ("flat" 
 Attention splits the batch two ways:
 - decode tokens (chunks of one token) are attended together, each over its own context padded
   to the longest one. Multi-head attention keeps those contexts in a contiguous per-layer
-  workspace that lives across steps (`DecodePlan`): while the same sequences keep decoding, a
-  step only appends its new k/v there instead of gathering every context from the paged cache
+  workspace that lives across steps (`DecodePlan`): a sequence that keeps decoding only has
+  its new k/v appended there instead of its whole context gathered from the paged cache
   again; MLA gathers its latent contexts from `decode_blocks` every step;
 - prefill chunks (more than one token) are attended one by one, over the cached context before
   the chunk (`PrefillSpan.context_blocks`) plus the chunk itself.

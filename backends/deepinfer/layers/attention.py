@@ -10,8 +10,8 @@ Decode contexts are read from a per-layer workspace `[B, Hk, capacity, d]` kept 
 as much as the attention itself on CPU, while a step of a stable batch adds one entry per row.
 The head-major layout also lets the query heads that share a KV head attend as G queries of one
 head, which is faster than SDPA's `enable_gqa` on CPU. (A paged-attention kernel reading blocks
-in place would make the workspace unnecessary; the cost is one more copy of the running
-sequences' KV, freed when the batch changes.)
+in place would make the workspace unnecessary; its cost is a second copy of the decoding
+sequences' KV, and one copy of the workspace when a sequence joins or leaves the batch.)
 """
 
 from __future__ import annotations

@@ -77,8 +77,8 @@ async def run_choice(job: Job, choice: ChoiceState) -> Outputs:
                 job.first_token_at = time.perf_counter()
             ids = delta.token_ids
             choice.completion_tokens += len(ids)
-            text = detok.step(ids)
             finish: str | None = delta.finish_reason
+            text = detok.step(ids, final=finish is not None)
             if delta.cached_tokens is not None:  # the first delta's: survives an early stop
                 choice.cached_tokens = delta.cached_tokens
             if delta.usage is not None:

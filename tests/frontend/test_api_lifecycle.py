@@ -113,7 +113,9 @@ def test_metrics_count_requests_tokens_and_latency(model_dir: Path) -> None:
 
 def test_many_streams_with_hang_ups_leave_nothing_behind(model_dir: Path) -> None:
     with live_frontend(model_dir, num_workers=2, speedup=5.0) as live:
-        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 100, "stream": True, "ignore_eos": True}
+        # Long enough (about a second of simulated decode) that a client reading its first
+        # chunk late on a loaded machine still hangs up mid-stream.
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1000, "stream": True, "ignore_eos": True}
 
         async def one(client: httpx.AsyncClient, hang_up: bool) -> bool:
             async with client.stream("POST", f"{live.url}/v1/chat/completions", json=body) as response:

@@ -76,3 +76,15 @@ def test_each_request_has_its_own_state(pre: Preprocessor) -> None:
     assert first.step(one[:1]) == ""
     assert second.step(two) == "Hello"
     assert first.step(one[1:]) == "日"
+
+
+def test_output_ending_inside_a_character_emits_what_was_held(pre: Preprocessor) -> None:
+    # The output ends on the first byte of a multi-byte character: the stream holds that token
+    # (and any text it carries) waiting for the rest; the final step emits it as a full decode
+    # does, U+FFFD included, instead of dropping it.
+    char_ids = pre.encode("日", add_special_tokens=False)
+    assert len(char_ids) >= 2, "the fixture tokenizers split non-ASCII characters into byte tokens"
+    ids = pre.encode("ok?", add_special_tokens=False) + char_ids[:1]
+    detok = pre.detokenizer()
+    pieces = [detok.step([i]) for i in ids[:-1]] + [detok.step(ids[-1:], final=True)]
+    assert "".join(pieces) == pre.decode(ids)

@@ -45,12 +45,6 @@ class LoadTracker:
         self.peer_ttl_s = peer_ttl_s
         self._clock = clock
         self.workers: dict[str, WorkerLoad] = {}
-        # What a decision reads of every worker, flat and in `workers` order (kept by
-        # `_refresh`): two lists to read rather than an attribute of each of 64 objects.
-        self.ids: list[str] = []
-        self.blocks: list[int] = []
-        self.kv_usage: list[float] = []
-        self._position: dict[str, int] = {}
         # Workers marked draining, kept apart so a decision checks one set, not every worker.
         self.draining: set[str] = set()
         self._requests: dict[str, _Request] = {}
@@ -61,22 +55,12 @@ class LoadTracker:
 
     def add_worker(self, worker_id: str, total_blocks: int = 0) -> WorkerLoad:
         load = self.workers.setdefault(worker_id, WorkerLoad(total_blocks=total_blocks))
-        if worker_id not in self._position:
-            self._position[worker_id] = len(self.ids)
-            self.ids.append(worker_id)
-            self.blocks.append(0)
-            self.kv_usage.append(0.0)
-        self._refresh(worker_id, load)
+        load.refresh()
         self._held.setdefault(worker_id, Counter())
         return load
 
     def remove_worker(self, worker_id: str) -> None:
-        if self.workers.pop(worker_id, None) is not None:
-            position = self._position.pop(worker_id)
-            for flat in (self.ids, self.blocks, self.kv_usage):
-                del flat[position]
-            for moved in self.ids[position:]:
-                self._position[moved] -= 1
+        self.workers.pop(worker_id, None)
         self.draining.discard(worker_id)
         self._held.pop(worker_id, None)
         for request_id in [r for r, req in self._requests.items() if req.worker_id == worker_id]:
@@ -92,7 +76,7 @@ class LoadTracker:
         load.waiting_requests = report.waiting_requests
         load.active_blocks = report.active_blocks
         load.total_blocks = report.total_blocks or load.total_blocks
-        self._refresh(report.worker_id, load)
+        load.refresh()
         if report.draining:
             self.set_draining(report.worker_id, True)
 
@@ -122,7 +106,7 @@ class LoadTracker:
         new = len(held) - before  # blocks no other in-flight request on this worker holds
         load.inflight_requests += 1
         load.inflight_blocks += new + tail
-        self._refresh(worker_id, load)
+        load.refresh()
         return InflightUpdate(
             router_id=self.router_id, worker_id=worker_id, request_id=request.request_id, blocks=new + tail
         )
@@ -149,7 +133,7 @@ class LoadTracker:
                 freed += 1
         load.inflight_requests -= 1
         load.inflight_blocks -= freed
-        self._refresh(worker_id, load)
+        load.refresh()
         return InflightUpdate(
             router_id=self.router_id, worker_id=worker_id, request_id=request_id, blocks=freed, done=True
         )
@@ -167,12 +151,12 @@ class LoadTracker:
             if peer is not None and load is not None:
                 load.inflight_requests -= 1
                 load.inflight_blocks -= peer.blocks
-                self._refresh(update.worker_id, load)
+                load.refresh()
         elif load is not None and key not in self._peers:
             self._peers[key] = _PeerRequest(update.worker_id, update.blocks, self._clock())
             load.inflight_requests += 1
             load.inflight_blocks += update.blocks
-            self._refresh(update.worker_id, load)
+            load.refresh()
 
     def _expire_peers(self) -> None:
         cutoff = self._clock() - self.peer_ttl_s
@@ -186,10 +170,4 @@ class LoadTracker:
             if load is not None:
                 load.inflight_requests -= 1
                 load.inflight_blocks -= peer.blocks
-                self._refresh(peer.worker_id, load)
-
-    def _refresh(self, worker_id: str, load: WorkerLoad) -> None:
-        load.refresh()
-        position = self._position[worker_id]
-        self.blocks[position] = load.blocks
-        self.kv_usage[position] = load.kv_usage
+                load.refresh()

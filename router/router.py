@@ -110,8 +110,6 @@ class Router:
         self.block_size = block_size
         self.loads = LoadTracker(router_id or uuid.uuid4().hex, block_size, clock=clock)
         self.workers = self.loads.workers
-        if isinstance(policy, KvPolicy):
-            policy.loads = self.loads
         # Set by the subscriber to share in-flight load with replica routers.
         self.on_inflight: Callable[[InflightUpdate], None] | None = None
         m = metrics or default_metrics()

@@ -15,7 +15,6 @@ from typing import Protocol
 
 from router.block_index import Matches
 from router.cost import CostParams, busy, cached_blocks, choose, costs
-from router.load import LoadTracker
 from router.protocols import Decision, RouteRequest, WorkerLoad
 
 
@@ -33,31 +32,17 @@ class KvPolicy:
         self.block_size = block_size
         self.params = params
         self._rng = random.Random(seed)
-        # The router's load tracker (set by `Router`): when asked about all its workers, the
-        # policy reads their load from its flat lists rather than from each `WorkerLoad`.
-        self.loads: LoadTracker | None = None
 
     def select(self, request: RouteRequest, workers: Mapping[str, WorkerLoad]) -> Decision:
         matches = self.index.find_matches(request.block_hashes)
         params = self.params
-        loads = self.loads
-        pool: list[str]
-        active: list[int]
-        if (
-            loads is not None
-            and workers is loads.workers
-            and params.busy_waiting_requests <= 0
-            and max(loads.kv_usage) <= params.busy_kv_fraction
-        ):  # the usual case: every worker is a candidate and none is busy
-            pool, active = loads.ids, loads.blocks
-        else:
-            saturated = busy(list(workers.values()), params)
-            if any(saturated) and not all(saturated):  # all busy: queue on the cheapest, not fail
-                workers = {
-                    w: load for (w, load), full in zip(workers.items(), saturated, strict=True) if not full
-                }
-            pool = list(workers)
-            active = [load.blocks for load in workers.values()]
+        saturated = busy(list(workers.values()), params)
+        if any(saturated) and not all(saturated):  # all busy: queue on the cheapest, not fail
+            workers = {
+                w: load for (w, load), full in zip(workers.items(), saturated, strict=True) if not full
+            }
+        pool = list(workers)
+        active = [load.blocks for load in workers.values()]
         # Only the few workers holding part of the prompt get a hit term; pool.index is a
         # C-level scan, cheaper than mapping every worker to its position per decision.
         hits, lower = matches.blocks, matches.lower

@@ -22,6 +22,11 @@ _FLAGS: dict[str, str] = {
     "vocab_size": "generated token ids lie in [0, N): match the tokenizer",
     "context_length": "context length in the model card",
 }
+# Fields `backends.registry` takes from the model directory when the flag is not given.
+_FROM_MODEL: dict[str, str] = {
+    "vocab_size": "the vocabulary size of the model's tokenizer.json",
+    "context_length": "max_position_embeddings in the model's config.json",
+}
 
 
 def add_mocker_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,13 +34,15 @@ def add_mocker_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("mocker backend")
     for dest, help_text in _FLAGS.items():
         default = getattr(_DEFAULTS, dest)
+        from_model = _FROM_MODEL.get(dest)
+        shown = f"default: {from_model} if it has one, else {default}" if from_model else f"default {default}"
         with contextlib.suppress(argparse.ArgumentError):  # already defined by another backend
             group.add_argument(
                 "--" + dest.replace("_", "-"),
                 dest=dest,
                 type=type(default),
                 default=None,
-                help=f"{help_text} (default {default})",
+                help=f"{help_text} ({shown})",
             )
     group.add_argument(
         "--timing-model",

@@ -13,22 +13,10 @@ import argparse
 import contextlib
 import json
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
 
-import msgspec
-
 from orchestrator.runtime.engine import Engine
-from orchestrator.runtime.protocol import (
-    KvEventBatch,
-    KvSnapshot,
-    LoadReport,
-    ModelCard,
-    Role,
-    TokenDelta,
-    WorkerRequest,
-)
 
 BACKENDS = ("mocker", "deepinfer")
 # What `weir serve` and `weir worker` run without --backend.
@@ -93,7 +81,7 @@ def served_name(args: argparse.Namespace, model_dir: Path) -> str:
     return DEFAULT_MODEL if args.model == DEFAULT_MODEL else model_dir.name
 
 
-def make_engine(args: argparse.Namespace, model_dir: Path, role: Role = "aggregated") -> Engine:
+def make_engine(args: argparse.Namespace, model_dir: Path) -> Engine:
     """The engine `args` ask for, serving `model_dir` (from `resolve_model`) under
     `served_name(args, model_dir)`. Raises ValueError for flags the backend rejects."""
     name = served_name(args, model_dir)
@@ -121,7 +109,7 @@ def make_engine(args: argparse.Namespace, model_dir: Path, role: Role = "aggrega
         engine = DeepInferWorker(deepinfer_config_from_args(argparse.Namespace(**values)))
     else:
         raise ValueError(f"unknown backend {args.backend!r}; choose one of {', '.join(BACKENDS)}")
-    return engine if role == "aggregated" else WithRole(engine, role)
+    return engine
 
 
 def _model_shape(model_dir: Path) -> dict[str, Any]:
@@ -153,34 +141,3 @@ class _SkipDeclared:
     def add_argument(self, *args: Any, **kwargs: Any) -> None:
         with contextlib.suppress(argparse.ArgumentError):
             self._target.add_argument(*args, **kwargs)
-
-
-class WithRole:
-    """An engine registered under another role (`weir worker --role prefill|decode`): backends
-    build aggregated cards, and the role is a deployment choice, not an engine property."""
-
-    def __init__(self, engine: Engine, role: Role) -> None:
-        self.engine = engine
-        self.role = role
-
-    @property
-    def card(self) -> ModelCard:
-        return msgspec.structs.replace(self.engine.card, role=self.role)
-
-    async def start(self) -> None:
-        await self.engine.start()
-
-    async def stop(self) -> None:
-        await self.engine.stop()
-
-    def generate(self, request: WorkerRequest) -> AsyncIterator[TokenDelta]:
-        return self.engine.generate(request)
-
-    def load(self) -> LoadReport:
-        return self.engine.load()
-
-    def take_kv_events(self) -> list[KvEventBatch]:
-        return self.engine.take_kv_events()
-
-    def kv_snapshot(self) -> KvSnapshot:
-        return self.engine.kv_snapshot()

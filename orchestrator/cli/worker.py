@@ -24,14 +24,15 @@ from orchestrator.runtime.discovery import make_discovery
 from orchestrator.runtime.engine import Engine
 from orchestrator.runtime.events import make_event_plane
 from orchestrator.runtime.worker_host import WorkerHost, serve_workers
+from router.table import ROUTABLE_ROLES
 
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--role",
-        choices=["aggregated", "prefill", "decode"],
         default=env_default("WEIR_ROLE", "aggregated"),
-        help="pool this worker joins (env WEIR_ROLE; default aggregated)",
+        help=f"the worker's role; routers serve only {' | '.join(ROUTABLE_ROLES)} workers, prefill "
+        "and decode are not routed yet (env WEIR_ROLE; default aggregated)",
     )
     add_backend_arguments(parser)
     add_service_arguments(parser, "worker", "WEIR_WORKER", 0)
@@ -49,9 +50,17 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
+    if args.role not in ROUTABLE_ROLES:
+        # A worker no router sends requests to would sit in discovery looking healthy.
+        print(
+            f"weir worker: --role {args.role} is not served: routers route only "
+            f"{' | '.join(ROUTABLE_ROLES)} workers; prefill/decode are not routed yet",
+            file=sys.stderr,
+        )
+        return 2
     try:
         model_dir = resolve_model(args.model)
-        engine = make_engine(args, model_dir, role=args.role)
+        engine = make_engine(args, model_dir)
     except (ValueError, OSError) as exc:
         print(f"weir worker: {exc}", file=sys.stderr)
         return 2

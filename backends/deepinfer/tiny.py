@@ -1,6 +1,6 @@
 """Tiny local checkpoints: a byte-level BPE tokenizer trained here and random-weight models.
 
-Nothing is downloaded. Tests build Llama, Qwen2 and DeepSeek-V3 checkpoints in the Hugging Face
+Nothing is downloaded. Tests build Llama, Qwen2, Qwen3 and DeepSeek-V3 checkpoints in the Hugging Face
 layout (config.json, model.safetensors, tokenizer files), so the same directory feeds DeepInfer
 and, as the reference, transformers. Everything is deterministic given the seed.
 
@@ -17,11 +17,11 @@ import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
-Arch = Literal["llama", "qwen2", "deepseek_v3"]
+Arch = Literal["llama", "qwen2", "qwen3", "deepseek_v3"]
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -111,6 +111,12 @@ def model_config(arch: Arch, **overrides: Any) -> dict[str, Any]:
     elif arch == "qwen2":
         config = {**common, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
         config.update(tie_word_embeddings=True, use_sliding_window=False, sliding_window=None)
+    elif arch == "qwen3":
+        # head_dim 32, not hidden_size / heads = 16, as in the released Qwen3 sizes.
+        config = {**common, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32}
+        config.update(
+            tie_word_embeddings=True, attention_bias=False, use_sliding_window=False, sliding_window=None
+        )
     elif arch == "deepseek_v3":
         config = {**common, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
         config.update(
@@ -137,7 +143,7 @@ def model_config(arch: Arch, **overrides: Any) -> dict[str, Any]:
             attention_bias=False,
         )
     else:
-        raise ValueError(f"unknown tiny architecture {arch!r}; expected llama, qwen2 or deepseek_v3")
+        raise ValueError(f"unknown tiny architecture {arch!r}; expected one of {get_args(Arch)}")
     config.update(overrides)
     return config
 
@@ -193,22 +199,33 @@ def _param_shapes(arch: Arch, c: dict[str, Any]) -> Iterator[tuple[str, tuple[in
             else:
                 yield from _mlp_shapes(f"{prefix}.mlp", hidden, c["intermediate_size"])
         else:
-            yield from _attention_shapes(f"{prefix}.self_attn", c, bias=arch == "qwen2")
+            yield from _attention_shapes(f"{prefix}.self_attn", c, qkv_bias=arch == "qwen2")
+            if arch == "qwen3":
+                head_dim = c["head_dim"]
+                yield f"{prefix}.self_attn.q_norm.weight", (head_dim,)
+                yield f"{prefix}.self_attn.k_norm.weight", (head_dim,)
             yield from _mlp_shapes(f"{prefix}.mlp", hidden, c["intermediate_size"])
 
 
-def _attention_shapes(prefix: str, c: dict[str, Any], bias: bool) -> Iterator[tuple[str, tuple[int, ...]]]:
+def _attention_shapes(
+    prefix: str, c: dict[str, Any], qkv_bias: bool
+) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Llama-style q/k/v/o projections; `attention_bias` puts biases on all four (Llama, Qwen3),
+    `qkv_bias` on q/k/v alone (Qwen2)."""
     hidden, heads, kv_heads = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
     head_dim = c.get("head_dim") or hidden // heads
+    o_bias = bool(c.get("attention_bias"))
     for proj, out in (
         ("q_proj", heads * head_dim),
         ("k_proj", kv_heads * head_dim),
         ("v_proj", kv_heads * head_dim),
     ):
         yield f"{prefix}.{proj}.weight", (out, hidden)
-        if bias:
+        if qkv_bias or o_bias:
             yield f"{prefix}.{proj}.bias", (out,)
     yield f"{prefix}.o_proj.weight", (hidden, heads * head_dim)
+    if o_bias:
+        yield f"{prefix}.o_proj.bias", (hidden,)
 
 
 def _mlp_shapes(prefix: str, hidden: int, intermediate: int) -> Iterator[tuple[str, tuple[int, ...]]]:

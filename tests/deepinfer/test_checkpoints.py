@@ -22,7 +22,7 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "deepseek_v3"])
 def test_tiny_checkpoint_is_deterministic_and_loads_in_transformers(tmp_path: Path, arch: Arch) -> None:
     transformers = pytest.importorskip("transformers")
     first = build_checkpoint(tmp_path / "a", arch, seed=3)

@@ -111,6 +111,7 @@ TINY_CASES: dict[str, tuple[Arch, dict[str, Any]]] = {
         {"num_key_value_heads": 4, "rope_scaling": {"type": "linear", "factor": 2.0}},
     ),
     "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),  # q/k norm, head_dim 32 != 64 / 4 heads, tied
     "deepseek_v3": ("deepseek_v3", {}),
     "deepseek_v3-no-q-lora-yarn": (
         "deepseek_v3",

@@ -10,12 +10,15 @@ from backends.deepinfer.hf_config import HFConfig
 from backends.deepinfer.layers.attention import Attention
 from backends.deepinfer.layers.linear import Linear, MergedLinear
 from backends.deepinfer.layers.mlp import GatedMLP
+from backends.deepinfer.layers.norm import RMSNorm
 from backends.deepinfer.layers.rotary import rope_from_config
 from backends.deepinfer.models.base import CausalLM, DecoderLayer
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: HFConfig, max_positions: int, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(
+        self, config: HFConfig, max_positions: int, qkv_bias: bool, o_bias: bool, qk_norm: bool = False
+    ) -> None:
         super().__init__()
         heads, kv_heads, head_dim = (
             config.num_attention_heads,
@@ -30,6 +33,9 @@ class LlamaAttention(nn.Module):
             qkv_bias,
         )
         self.o_proj = Linear(heads * head_dim, config.hidden_size, o_bias)
+        # Qwen3: one RMSNorm over each head's q and k (weights of size head_dim), before RoPE.
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary_emb = rope_from_config(config.rope_parameters, head_dim, max_positions)
         self.attn = Attention(heads, kv_heads, head_dim, head_dim**-0.5)
 
@@ -38,6 +44,8 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v.view(tokens, self.num_kv_heads, self.head_dim), batch)
         return self.o_proj(out.view(tokens, -1))
@@ -45,6 +53,7 @@ class LlamaAttention(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     qkv_bias: bool | None = None  # None: follow config.attention_bias
+    qk_norm = False
 
     def __init__(self, config: HFConfig, max_positions: int) -> None:
         if config.get("mlp_bias", False):
@@ -53,7 +62,7 @@ class LlamaForCausalLM(CausalLM):
         qkv_bias = o_bias if self.qkv_bias is None else self.qkv_bias
         layers = [
             DecoderLayer(
-                LlamaAttention(config, max_positions, qkv_bias, o_bias),
+                LlamaAttention(config, max_positions, qkv_bias, o_bias, self.qk_norm),
                 GatedMLP(config.hidden_size, config.intermediate_size, config.get("hidden_act", "silu")),
                 config.hidden_size,
                 config.rms_norm_eps,

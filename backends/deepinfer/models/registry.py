@@ -9,6 +9,7 @@ from backends.deepinfer.models.base import CausalLM
 from backends.deepinfer.models.deepseek_v3 import DeepseekV3ForCausalLM
 from backends.deepinfer.models.llama import LlamaForCausalLM
 from backends.deepinfer.models.qwen2 import Qwen2ForCausalLM
+from backends.deepinfer.models.qwen3 import Qwen3ForCausalLM
 
 
 class ModelClass(Protocol):
@@ -19,6 +20,7 @@ MODELS: dict[str, ModelClass] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 

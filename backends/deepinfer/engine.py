@@ -18,11 +18,10 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-import xgrammar as xgr
 from tokenizers import Tokenizer
 
 from backends.deepinfer.config import EngineConfig
-from backends.deepinfer.guided import GuidedDecoding
+from backends.deepinfer.guided import Grammar, GuidedDecoding
 from backends.deepinfer.outputs import SampledToken, SchedulerOutput, SeqOutput
 from backends.deepinfer.sampler import Sampler, validate_request
 from backends.deepinfer.scheduler import Scheduler
@@ -79,12 +78,12 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def compile_grammar(self, request: WorkerRequest) -> xgr.CompiledGrammar | None:
+    def compile_grammar(self, request: WorkerRequest) -> Grammar | None:
         """Compile a request's constraint (slow the first time; thread-safe, so it can run off
         the engine thread). ValueError for a bad spec."""
         return None if request.guided is None else self.guided.compile(request.guided)
 
-    def add(self, request: WorkerRequest, grammar: xgr.CompiledGrammar | None = None) -> Sequence:
+    def add(self, request: WorkerRequest, grammar: Grammar | None = None) -> Sequence:
         """Queue a request; ValueError with a client-facing message if it is invalid."""
         validate_request(request, self.vocab_size)
         if request.guided is not None and grammar is None:

@@ -11,8 +11,8 @@ EXAMPLES = CHART / "examples"
 
 
 @pytest.fixture(scope="module")
-def disagg(helm_bin: str) -> list[Manifest]:
-    return render(helm_bin, EXAMPLES / "disaggregated.yaml", release="prod", namespace="llm")
+def external(helm_bin: str) -> list[Manifest]:
+    return render(helm_bin, EXAMPLES / "external-planes.yaml", release="prod", namespace="llm")
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +26,9 @@ def _container(workload: Manifest) -> Manifest:
     return containers[0]
 
 
-def test_each_pool_is_a_deployment_with_labels_args_and_gpus(disagg: list[Manifest]) -> None:
-    for pool, role, replicas in [("prefill", "prefill", 2), ("decode", "decode", 4)]:
-        dep = one(disagg, "Deployment", f"prod-weir-pool-{pool}")
+def test_each_pool_is_a_deployment_with_labels_args_and_gpus(external: list[Manifest]) -> None:
+    for pool, role, replicas in [("agg", "aggregated", 4)]:
+        dep = one(external, "Deployment", f"prod-weir-pool-{pool}")
         expected = {
             "app.kubernetes.io/name": "weir",
             "app.kubernetes.io/instance": "prod",
@@ -65,12 +65,12 @@ def test_each_pool_is_a_deployment_with_labels_args_and_gpus(disagg: list[Manife
 
 def test_pool_args_env_and_image_overrides(helm_bin: str) -> None:
     pool = (
-        "pools[0].name=vl,pools[0].role=aggregated,pools[0].backend=vllm,pools[0].model=m,"
+        "pools[0].name=mk,pools[0].role=aggregated,pools[0].backend=mocker,pools[0].model=m,"
         "pools[0].replicas=1,pools[0].args[0]=--speedup=5,pools[0].env[0].name=FOO,pools[0].env[0].value=bar,"
         "pools[0].image.tag=cuda,pools[0].terminationGracePeriodSeconds=900"
     )
     manifests = render(helm_bin, sets=dict(kv.split("=", 1) for kv in pool.split(",")))
-    dep = one(manifests, "Deployment", "r-weir-pool-vl")
+    dep = one(manifests, "Deployment", "r-weir-pool-mk")
     container = _container(dep)
     assert container["args"][-1] == "--speedup=5"
     assert {"name": "FOO", "value": "bar"} in container["env"]
@@ -80,22 +80,22 @@ def test_pool_args_env_and_image_overrides(helm_bin: str) -> None:
     assert "--drain-timeout=885" in container["args"]
 
 
-def test_frontend_deployment_and_service(disagg: list[Manifest]) -> None:
-    dep = one(disagg, "Deployment", "prod-weir-frontend")
+def test_frontend_deployment_and_service(external: list[Manifest]) -> None:
+    dep = one(external, "Deployment", "prod-weir-frontend")
     assert dep["spec"]["replicas"] == 2
     container = _container(dep)
     assert container["args"][:4] == ["frontend", "--host=0.0.0.0", "--port=8000", "--router-mode=kv"]
-    svc = one(disagg, "Service", "prod-weir-frontend")
+    svc = one(external, "Service", "prod-weir-frontend")
     assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
 
 
 def test_pods_run_non_root_read_only_without_escalation(helm_bin: str) -> None:
-    manifests = render(helm_bin, EXAMPLES / "disaggregated.yaml")
+    manifests = render(helm_bin, EXAMPLES / "aggregated-deepinfer.yaml")
     specs = pod_specs(manifests)
     assert {name for name, _ in specs} >= {
         "r-weir-frontend",
-        "r-weir-pool-prefill",
+        "r-weir-pool-agg",
         "r-weir-etcd",
         "r-weir-nats",
     }
@@ -116,7 +116,7 @@ def test_pods_run_non_root_read_only_without_escalation(helm_bin: str) -> None:
 
 
 def test_addresses_reach_pods_through_one_configmap(helm_bin: str) -> None:
-    manifests = render(helm_bin, EXAMPLES / "disaggregated.yaml", release="prod", namespace="llm")
+    manifests = render(helm_bin, EXAMPLES / "mocker-cpu.yaml", release="prod", namespace="llm")
     configmaps = find(manifests, "ConfigMap")
     assert len(configmaps) == 1
     config = configmaps[0]
@@ -129,7 +129,7 @@ def test_addresses_reach_pods_through_one_configmap(helm_bin: str) -> None:
     assert one(manifests, "Service", "prod-weir-etcd")["spec"]["ports"][0]["port"] == 2379
     assert one(manifests, "Service", "prod-weir-nats")["spec"]["ports"][0]["port"] == 4222
     weir_pods = find(manifests, "Deployment")
-    assert len(weir_pods) == 3  # frontend, prefill, decode
+    assert len(weir_pods) == 3  # frontend, main, extra
     for dep in weir_pods:
         container = _container(dep)
         assert container["envFrom"] == [{"configMapRef": {"name": config["metadata"]["name"]}}]
@@ -138,7 +138,7 @@ def test_addresses_reach_pods_through_one_configmap(helm_bin: str) -> None:
 
 
 def test_external_etcd_and_nats(helm_bin: str) -> None:
-    manifests = render(helm_bin, EXAMPLES / "vllm.yaml")
+    manifests = render(helm_bin, EXAMPLES / "external-planes.yaml")
     assert not find(manifests, "StatefulSet")
     data = find(manifests, "ConfigMap")[0]["data"]
     assert data["WEIR_ETCD"] == "http://etcd.infra.svc:2379"
@@ -186,13 +186,13 @@ def test_graceful_termination_leaves_time_to_drain(defaults: list[Manifest]) -> 
     )
 
 
-def test_a_disruption_budget_per_pool_and_frontend(disagg: list[Manifest]) -> None:
-    budgets = {p["metadata"]["name"]: p for p in find(disagg, "PodDisruptionBudget")}
-    assert set(budgets) == {"prod-weir-frontend", "prod-weir-pool-prefill", "prod-weir-pool-decode"}
+def test_a_disruption_budget_per_pool_and_frontend(external: list[Manifest]) -> None:
+    budgets = {p["metadata"]["name"]: p for p in find(external, "PodDisruptionBudget")}
+    assert set(budgets) == {"prod-weir-frontend", "prod-weir-pool-agg"}
     for name, budget in budgets.items():
         assert budget["apiVersion"] == "policy/v1"
         assert budget["spec"]["maxUnavailable"] == 1
-        dep = one(disagg, "Deployment", name)
+        dep = one(external, "Deployment", name)
         assert budget["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
 
 
@@ -200,11 +200,11 @@ def test_no_budgets_when_disabled(helm_bin: str) -> None:
     assert not find(render(helm_bin, sets={"podDisruptionBudget.enabled": "false"}), "PodDisruptionBudget")
 
 
-def test_service_monitor_when_enabled(disagg: list[Manifest], defaults: list[Manifest]) -> None:
+def test_service_monitor_when_enabled(external: list[Manifest], defaults: list[Manifest]) -> None:
     assert not find(defaults, "ServiceMonitor")
-    monitors = {m["metadata"]["name"]: m for m in find(disagg, "ServiceMonitor")}
+    monitors = {m["metadata"]["name"]: m for m in find(external, "ServiceMonitor")}
     assert set(monitors) == {"prod-weir-frontend", "prod-weir-worker"}
-    services = find(disagg, "Service")
+    services = find(external, "Service")
     for monitor in monitors.values():
         assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
         assert monitor["metadata"]["labels"]["release"] == "prometheus"
@@ -219,7 +219,7 @@ def test_service_monitor_when_enabled(disagg: list[Manifest], defaults: list[Man
 
 def test_network_policy_option(helm_bin: str, defaults: list[Manifest]) -> None:
     assert not find(defaults, "NetworkPolicy")
-    manifests = render(helm_bin, EXAMPLES / "vllm.yaml")
+    manifests = render(helm_bin, EXAMPLES / "external-planes.yaml")
     policies = {p["metadata"]["name"]: p["spec"] for p in find(manifests, "NetworkPolicy")}
     assert set(policies) == {"r-weir-internal", "r-weir-api", "r-weir-metrics"}
     release = {"app.kubernetes.io/name": "weir", "app.kubernetes.io/instance": "r"}
@@ -240,7 +240,7 @@ def test_api_key_secret(helm_bin: str) -> None:
     assert key_env["valueFrom"]["secretKeyRef"] == {"name": "r-weir-api-key", "key": "api-key"}
     assert "api-key" in secret["data"]
 
-    existing = render(helm_bin, EXAMPLES / "vllm.yaml")
+    existing = render(helm_bin, EXAMPLES / "external-planes.yaml")
     assert not find(existing, "Secret")
     env = _container(one(existing, "Deployment", "r-weir-frontend"))["env"]
     key_env = next(e for e in env if e["name"] == "WEIR_API_KEY")
@@ -274,12 +274,12 @@ def test_operator_role_grants_what_the_cli_uses(helm_bin: str) -> None:
     assert binding["subjects"] == [{"kind": "User", "name": "alice", "apiGroup": "rbac.authorization.k8s.io"}]
 
 
-def test_frontend_sees_model_directories_where_workers_do(disagg: list[Manifest]) -> None:
+def test_frontend_sees_model_directories_where_workers_do(external: list[Manifest]) -> None:
     """The frontend loads tokenizers from the directory a worker's card names, so both mount
     the same claim at the same path and agree on the cache variables."""
-    frontend = one(disagg, "Deployment", "prod-weir-frontend")
+    frontend = one(external, "Deployment", "prod-weir-frontend")
     views = []
-    for dep in [frontend, one(disagg, "Deployment", "prod-weir-pool-decode")]:
+    for dep in [frontend, one(external, "Deployment", "prod-weir-pool-agg")]:
         pod = dep["spec"]["template"]["spec"]
         claim = next(v for v in pod["volumes"] if v["name"] == "cache")["persistentVolumeClaim"]["claimName"]
         container = _container(dep)

@@ -97,54 +97,51 @@ def kube_args(release: Release, kubeconfig: str | None = None) -> list[str]:
 
 def test_helm_installed_one_deployment_per_pool(apps: client.AppsV1Api) -> None:
     deployments = {d["metadata"]["name"]: d for d in plain(apps.list_namespaced_deployment(NS))["items"]}
-    assert set(deployments) == {"ops-weir-frontend", "ops-weir-pool-prefill", "ops-weir-pool-decode"}
-    decode = deployments["ops-weir-pool-decode"]
-    assert decode["spec"]["replicas"] == 2
-    assert decode["metadata"]["labels"]["weir.dev/role"] == "decode"
-    assert decode["metadata"]["labels"]["weir.dev/backend"] == "mocker"
+    assert set(deployments) == {"ops-weir-frontend", "ops-weir-pool-extra", "ops-weir-pool-main"}
+    main = deployments["ops-weir-pool-main"]
+    assert main["spec"]["replicas"] == 2
+    assert main["metadata"]["labels"]["weir.dev/role"] == "aggregated"
+    assert main["metadata"]["labels"]["weir.dev/backend"] == "mocker"
 
 
 def test_scale_sets_replicas_through_the_scale_subresource(
     capsys: pytest.CaptureFixture[str], release: Release, apps: client.AppsV1Api
 ) -> None:
-    result = weir(capsys, "scale", "decode", "--replicas", "5", *kube_args(release))
+    result = weir(capsys, "scale", "main", "--replicas", "5", *kube_args(release))
     assert result.rc == 0, result.err
-    assert "scaled pool decode (deployment weir-ops/ops-weir-pool-decode) from 2 to 5 replicas" in result.out
-    assert plain(apps.read_namespaced_deployment_scale("ops-weir-pool-decode", NS))["spec"]["replicas"] == 5
-    assert apps.read_namespaced_deployment("ops-weir-pool-decode", NS).spec.replicas == 5
+    assert "scaled pool main (deployment weir-ops/ops-weir-pool-main) from 2 to 5 replicas" in result.out
+    assert plain(apps.read_namespaced_deployment_scale("ops-weir-pool-main", NS))["spec"]["replicas"] == 5
+    assert apps.read_namespaced_deployment("ops-weir-pool-main", NS).spec.replicas == 5
     # The other pool is untouched.
-    assert apps.read_namespaced_deployment("ops-weir-pool-prefill", NS).spec.replicas == 1
+    assert apps.read_namespaced_deployment("ops-weir-pool-extra", NS).spec.replicas == 1
 
-    result = weir(capsys, "scale", "decode", "--replicas", "0", *kube_args(release))
+    result = weir(capsys, "scale", "main", "--replicas", "0", *kube_args(release))
     assert result.rc == 0, result.err
-    assert apps.read_namespaced_deployment("ops-weir-pool-decode", NS).spec.replicas == 0
+    assert apps.read_namespaced_deployment("ops-weir-pool-main", NS).spec.replicas == 0
 
 
 def test_dry_run_changes_nothing(
     capsys: pytest.CaptureFixture[str], release: Release, apps: client.AppsV1Api
 ) -> None:
-    before = apps.read_namespaced_deployment("ops-weir-pool-prefill", NS).spec.replicas
-    result = weir(capsys, "scale", "prefill", "--replicas", "7", "--dry-run", *kube_args(release))
+    before = apps.read_namespaced_deployment("ops-weir-pool-extra", NS).spec.replicas
+    result = weir(capsys, "scale", "extra", "--replicas", "7", "--dry-run", *kube_args(release))
     assert result.rc == 0, result.err
     assert (
-        f"dry run: would scale pool prefill (deployment weir-ops/ops-weir-pool-prefill) from {before} to 7"
+        f"dry run: would scale pool extra (deployment weir-ops/ops-weir-pool-extra) from {before} to 7"
         in (result.out)
     )
-    assert apps.read_namespaced_deployment("ops-weir-pool-prefill", NS).spec.replicas == before
+    assert apps.read_namespaced_deployment("ops-weir-pool-extra", NS).spec.replicas == before
 
 
 def test_unknown_pool_is_a_clear_error(capsys: pytest.CaptureFixture[str], release: Release) -> None:
-    result = weir(capsys, "scale", "decdoe", "--replicas", "1", *kube_args(release))
+    result = weir(capsys, "scale", "mian", "--replicas", "1", *kube_args(release))
     assert result.rc == 3
-    assert (
-        "no pool named 'decdoe' in namespace weir-ops, release ops (pools there: decode, prefill)"
-        in result.err
-    )
+    assert "no pool named 'mian' in namespace weir-ops, release ops (pools there: extra, main)" in result.err
 
 
 def test_bad_replica_count_is_a_usage_error(capsys: pytest.CaptureFixture[str], release: Release) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        weir(capsys, "scale", "decode", "--replicas", "-1", *kube_args(release))
+        weir(capsys, "scale", "main", "--replicas", "-1", *kube_args(release))
     assert exit_info.value.code == 2
     assert "must be 0 or more" in capsys.readouterr().err
 
@@ -153,7 +150,7 @@ def test_missing_permission_is_a_clear_error(
     capsys: pytest.CaptureFixture[str], release: Release, tmp_path: Path
 ) -> None:
     nobody = release.api.write_kubeconfig(tmp_path / "nobody", "nobody", "nobody-token")
-    for argv in (["scale", "decode", "--replicas", "3"], ["status", "--no-discovery"]):
+    for argv in (["scale", "main", "--replicas", "3"], ["status", "--no-discovery"]):
         result = weir(capsys, *argv, *kube_args(release, str(nobody)))
         assert result.rc == 4, result
         assert "permission denied (403)" in result.err
@@ -164,9 +161,9 @@ def test_the_chart_operator_role_is_enough(
     capsys: pytest.CaptureFixture[str], release: Release, apps: client.AppsV1Api, tmp_path: Path
 ) -> None:
     operator = str(release.api.write_kubeconfig(tmp_path / "operator", "operator", "operator-token"))
-    result = weir(capsys, "scale", "prefill", "--replicas", "2", *kube_args(release, operator))
+    result = weir(capsys, "scale", "extra", "--replicas", "2", *kube_args(release, operator))
     assert result.rc == 0, result.err
-    assert apps.read_namespaced_deployment("ops-weir-pool-prefill", NS).spec.replicas == 2
+    assert apps.read_namespaced_deployment("ops-weir-pool-extra", NS).spec.replicas == 2
     result = weir(capsys, "status", "-o", "json", "--load-window", "0", *kube_args(release, operator))
     assert result.rc == 0, result.err
     assert json.loads(result.out)["discovery"]["source"] == "ConfigMap weir-ops/ops-weir-config"
@@ -180,14 +177,14 @@ def test_unreachable_api_server_fails_fast(
         release.api.kubeconfig.read_text().replace(release.api.url, f"https://127.0.0.1:{free_port()}")
     )
     started = time.monotonic()
-    result = weir(capsys, "scale", "decode", "--replicas", "1", *kube_args(release, str(dead)))
+    result = weir(capsys, "scale", "main", "--replicas", "1", *kube_args(release, str(dead)))
     assert result.rc == 5
     assert "is unreachable" in result.err and "Connection refused" in result.err
     assert time.monotonic() - started < 15
 
 
 def test_missing_kubeconfig(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    result = weir(capsys, "scale", "decode", "--replicas", "1", "--kubeconfig", str(tmp_path / "none"))
+    result = weir(capsys, "scale", "main", "--replicas", "1", "--kubeconfig", str(tmp_path / "none"))
     assert result.rc == 5
     assert "does not exist" in result.err
 
@@ -195,24 +192,24 @@ def test_missing_kubeconfig(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
 def test_status_lists_pools_with_desired_and_ready(
     capsys: pytest.CaptureFixture[str], release: Release, apps: client.AppsV1Api
 ) -> None:
-    apps.patch_namespaced_deployment_scale("ops-weir-pool-decode", NS, {"spec": {"replicas": 3}})
+    apps.patch_namespaced_deployment_scale("ops-weir-pool-main", NS, {"spec": {"replicas": 3}})
     # What the Deployment controller would report once two of three pods pass readiness.
     apps.patch_namespaced_deployment_status(
-        "ops-weir-pool-decode", NS, {"status": {"replicas": 3, "readyReplicas": 2, "availableReplicas": 2}}
+        "ops-weir-pool-main", NS, {"status": {"replicas": 3, "readyReplicas": 2, "availableReplicas": 2}}
     )
     result = weir(capsys, "status", "-o", "json", "--no-discovery", *kube_args(release))
     assert result.rc == 0, result.err
     pools = {p["name"]: p for p in json.loads(result.out)["pools"]}
-    assert set(pools) == {"prefill", "decode"}
+    assert set(pools) == {"extra", "main"}
     assert (
-        pools["decode"] | {"desired": 3, "ready": 2, "role": "decode", "backend": "mocker"} == pools["decode"]
+        pools["main"] | {"desired": 3, "ready": 2, "role": "aggregated", "backend": "mocker"} == pools["main"]
     )
-    assert pools["prefill"]["ready"] == 0
+    assert pools["extra"]["ready"] == 0
 
     table = weir(capsys, "status", "--no-discovery", *kube_args(release)).out
     header, *rows = table.splitlines()[1:]
     assert header.split() == ["RELEASE", "POOL", "ROLE", "BACKEND", "DESIRED", "READY", "DEPLOYMENT"]
-    assert ["ops", "decode", "decode", "mocker", "3", "2", "ops-weir-pool-decode"] in [
+    assert ["ops", "main", "aggregated", "mocker", "3", "2", "ops-weir-pool-main"] in [
         r.split() for r in rows
     ]
 
@@ -227,13 +224,13 @@ def test_two_releases_need_release_flag(
     assert result.returncode == 0, result.stderr
     try:
         ambiguous = weir(
-            capsys, "scale", "decode", "--replicas", "1", "--kubeconfig", release.kubeconfig, "-n", NS
+            capsys, "scale", "main", "--replicas", "1", "--kubeconfig", release.kubeconfig, "-n", NS
         )
         assert ambiguous.rc == 2
-        assert "pool 'decode' exists in several releases" in ambiguous.err and "--release" in ambiguous.err
-        chosen = weir(capsys, "scale", "decode", "--replicas", "1", "--kubeconfig", release.kubeconfig,
+        assert "pool 'main' exists in several releases" in ambiguous.err and "--release" in ambiguous.err
+        chosen = weir(capsys, "scale", "main", "--replicas", "1", "--kubeconfig", release.kubeconfig,
                       "-n", NS, "--release", "ops2")  # fmt: skip
-        assert chosen.rc == 0 and "ops2-weir-pool-decode" in chosen.out
+        assert chosen.rc == 0 and "ops2-weir-pool-main" in chosen.out
     finally:
         helm(
             helm_bin, "uninstall", "ops2", "--namespace", NS, "--kubeconfig", release.kubeconfig, check=False
@@ -255,10 +252,10 @@ def _worker_pod(core: client.CoreV1Api, name: str, pool: str, ip: str) -> None:
 
 
 async def test_status_shows_registered_workers_with_load(release: Release, core: client.CoreV1Api) -> None:
-    _worker_pod(core, "ops-weir-pool-decode-a", "decode", "10.9.0.1")
+    _worker_pod(core, "ops-weir-pool-main-a", "main", "10.9.0.1")
     discovery = make_discovery(release.etcd, RELEASE)
     events = make_event_plane(release.nats)
-    card = ModelCard(name="mock-model", role="decode", backend="mocker", total_kv_blocks=16384)
+    card = ModelCard(name="mock-model", role="aggregated", backend="mocker", total_kv_blocks=16384)
     await discovery.register(
         Instance(instance_id="w-a", component="worker", address="10.9.0.1:9000", card=card)
     )
@@ -295,7 +292,7 @@ async def test_status_shows_registered_workers_with_load(release: Release, core:
                                    "source": "ConfigMap weir-ops/ops-weir-config"}  # fmt: skip
     workers = {w["instance_id"]: w for w in status["workers"]}
     assert set(workers) == {"w-a", "w-b"}
-    assert workers["w-a"]["pod"] == "ops-weir-pool-decode-a"
+    assert workers["w-a"]["pod"] == "ops-weir-pool-main-a"
     assert workers["w-a"]["state"] == "serving"
     assert workers["w-a"]["load"]["active_requests"] == 3
     assert workers["w-a"]["load"]["active_blocks"] == 120
@@ -312,7 +309,7 @@ def test_status_reports_unreachable_etcd_but_still_shows_pools(
     )
     assert result.rc == 5
     status = json.loads(result.out)
-    assert {p["name"] for p in status["pools"]} == {"prefill", "decode"}
+    assert {p["name"] for p in status["pools"]} == {"extra", "main"}
     assert "cannot read discovery from etcd at http://127.0.0.1:" in result.err
     assert "port-forward etcd and pass --etcd" in result.err
 
@@ -322,14 +319,14 @@ async def test_drain_by_pod_name_marks_the_pod_for_scale_down(
 ) -> None:
     """WORKER may be a pod name; once its worker is gone from discovery the pod gets the lowest
     deletion cost, so the ReplicaSet removes it first on the next scale-down."""
-    _worker_pod(core, "ops-weir-pool-decode-b", "decode", "10.9.0.3")
+    _worker_pod(core, "ops-weir-pool-main-b", "main", "10.9.0.3")
     discovery = make_discovery(release.etcd, RELEASE)
-    card = ModelCard(name="mock-model", role="decode", backend="mocker")
+    card = ModelCard(name="mock-model", role="aggregated", backend="mocker")
     await discovery.register(
         Instance(instance_id="w-c", component="worker", address="10.9.0.3:9000", card=card)
     )
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "orchestrator.cli.main", "drain", "ops-weir-pool-decode-b", "--timeout", "30",
+        sys.executable, "-m", "orchestrator.cli.main", "drain", "ops-weir-pool-main-b", "--timeout", "30",
         *kube_args(release), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     deadline = time.monotonic() + 30
@@ -339,8 +336,8 @@ async def test_drain_by_pod_name_marks_the_pod_for_scale_down(
     await discovery.close()  # the worker stops: its lease and registration go
     out, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 0, err.decode()
-    assert "pod ops-weir-pool-decode-b is drained and marked to go first" in out.decode()
-    pod = plain(core.read_namespaced_pod("ops-weir-pool-decode-b", NS))
+    assert "pod ops-weir-pool-main-b is drained and marked to go first" in out.decode()
+    pod = plain(core.read_namespaced_pod("ops-weir-pool-main-b", NS))
     assert pod["metadata"]["annotations"]["controller.kubernetes.io/pod-deletion-cost"] == "-1000000"
 
 
@@ -349,10 +346,10 @@ def test_scale_warns_when_an_autoscaler_owns_the_pool(
 ) -> None:
     api = config.new_client_from_config(release.kubeconfig, persist_config=False)
     hpa = client.V1HorizontalPodAutoscaler(
-        metadata=client.V1ObjectMeta(name="prefill-hpa"),
+        metadata=client.V1ObjectMeta(name="extra-hpa"),
         spec=client.V1HorizontalPodAutoscalerSpec(
             scale_target_ref=client.V1CrossVersionObjectReference(
-                api_version="apps/v1", kind="Deployment", name="ops-weir-pool-prefill"
+                api_version="apps/v1", kind="Deployment", name="ops-weir-pool-extra"
             ),
             min_replicas=1,
             max_replicas=4,
@@ -362,13 +359,13 @@ def test_scale_warns_when_an_autoscaler_owns_the_pool(
     try:
         # The operator Role may read autoscalers, so operators see the note too.
         operator = str(release.api.write_kubeconfig(tmp_path / "operator", "operator", "operator-token"))
-        result = weir(capsys, "scale", "prefill", "--replicas", "3", *kube_args(release, operator))
+        result = weir(capsys, "scale", "extra", "--replicas", "3", *kube_args(release, operator))
         assert result.rc == 0, result.err
-        assert "note: HorizontalPodAutoscaler prefill-hpa also sizes this pool (min 1, max 4)" in result.out
-        quiet = weir(capsys, "scale", "decode", "--replicas", "1", *kube_args(release, operator))
+        assert "note: HorizontalPodAutoscaler extra-hpa also sizes this pool (min 1, max 4)" in result.out
+        quiet = weir(capsys, "scale", "main", "--replicas", "1", *kube_args(release, operator))
         assert "HorizontalPodAutoscaler" not in quiet.out
     finally:
-        client.AutoscalingV1Api(api).delete_namespaced_horizontal_pod_autoscaler("prefill-hpa", NS)
+        client.AutoscalingV1Api(api).delete_namespaced_horizontal_pod_autoscaler("extra-hpa", NS)
 
 
 def test_helm_upgrade_keeps_the_scaled_size(
@@ -382,13 +379,13 @@ def test_helm_upgrade_keeps_the_scaled_size(
             plain(apps.read_namespaced_deployment_scale(f"ops-weir-pool-{pool}", NS))["spec"]["replicas"]
         )
 
-    assert weir(capsys, "scale", "prefill", "--replicas", "3", *kube_args(release)).rc == 0
+    assert weir(capsys, "scale", "extra", "--replicas", "3", *kube_args(release)).rc == 0
     upgrade = helm(helm_bin, "upgrade", *chart_args(release, "--set", "frontend.replicas=2"), check=False)
     assert upgrade.returncode == 0, upgrade.stderr
-    assert replicas("prefill") == 3
+    assert replicas("extra") == 3
     assert plain(apps.read_namespaced_deployment("ops-weir-frontend", NS))["spec"]["replicas"] == 2
 
     reset = chart_args(release, "--set", "poolDefaults.keepScaledReplicas=false")
     upgrade = helm(helm_bin, "upgrade", *reset, check=False)
     assert upgrade.returncode == 0, upgrade.stderr
-    assert replicas("prefill") == 1  # the example's value
+    assert replicas("extra") == 1  # the example's value

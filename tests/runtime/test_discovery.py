@@ -72,6 +72,27 @@ async def test_reregistering_updates_the_instance(discovery: Discovery) -> None:
     await events.aclose()  # type: ignore[attr-defined]
 
 
+async def test_writing_the_same_value_again_is_not_a_change(discovery: Discovery) -> None:
+    # etcd emits a PUT for every write; a lease restore writes every key again unchanged.
+    keys = discovery.watch_prefix("cfg/")
+    await discovery.put("cfg/a", b"1")
+    assert await asyncio.wait_for(anext(keys), 5) == KeyEvent("put", "cfg/a", b"1")
+    await discovery.put("cfg/a", b"1")
+    await discovery.put("cfg/a", b"2")
+    # Events come in write order: had the second write been reported, it would come first.
+    assert await asyncio.wait_for(anext(keys), 5) == KeyEvent("put", "cfg/a", b"2")
+    await keys.aclose()  # type: ignore[attr-defined]
+
+    # The same through registrations, leased as a worker's are.
+    await discovery.register(worker("a"))
+    events = discovery.watch("worker")
+    assert (await next_event(events)).instance.instance_id == "a"
+    await discovery.register(worker("a"))
+    await discovery.register(worker("b"))
+    assert (await next_event(events)).instance.instance_id == "b"
+    await events.aclose()  # type: ignore[attr-defined]
+
+
 async def test_control_keys(discovery: Discovery) -> None:
     keys = discovery.watch_prefix("drain/")
     await discovery.put(drain_key("w1"), b"", leased=False)

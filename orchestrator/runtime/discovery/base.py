@@ -76,6 +76,7 @@ class Discovery(ABC):
     @abstractmethod
     def watch_prefix(self, prefix: str) -> AsyncIterator[KeyEvent]:
         """Every key under `prefix`: first a `put` per existing key, then changes as they happen.
+        Writing a key again with the value it has is no change and is not reported.
 
         The stream survives backend reconnects; after one it re-reads the prefix and reports
         only the differences, so a consumer never sees a key vanish just because the backend

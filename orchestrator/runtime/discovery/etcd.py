@@ -129,8 +129,10 @@ class EtcdDiscovery(Discovery):
                 async for event in watch:
                     key = self._relative(event.kv.key)
                     if event.kind == "PUT":
-                        known[key] = event.kv.value
-                        yield KeyEvent("put", key, event.kv.value)
+                        # Writing a key again with its value (a lease restore does) changes nothing.
+                        if known.get(key) != event.kv.value:
+                            known[key] = event.kv.value
+                            yield KeyEvent("put", key, event.kv.value)
                     elif known.pop(key, None) is not None:
                         yield KeyEvent("delete", key, None)
             except aetcd.ClientError as exc:

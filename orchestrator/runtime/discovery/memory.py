@@ -21,12 +21,14 @@ class MemoryDiscovery(Discovery):
         self._watchers: list[tuple[str, asyncio.Queue[KeyEvent | None]]] = []
 
     async def put(self, key: str, value: bytes, leased: bool = False) -> None:
+        changed = self._data.get(key) != value
         self._data[key] = value
         if leased:
             self._leased.add(key)
         else:
             self._leased.discard(key)
-        self._notify(KeyEvent("put", key, value))
+        if changed:
+            self._notify(KeyEvent("put", key, value))
 
     async def get(self, key: str) -> bytes | None:
         return self._data.get(key)

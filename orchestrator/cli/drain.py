@@ -32,6 +32,7 @@ from orchestrator.cli.kube import (
     api_errors,
     namespace,
 )
+from orchestrator.cli.options import add_old_spelling
 from orchestrator.cli.planes import Planes, add_plane_args, from_flags, from_release
 from orchestrator.cli.workers import address_host, list_workers, worker_pods
 from orchestrator.runtime.discovery import Discovery, drain_key, drained_key, instance_key, make_discovery
@@ -50,7 +51,7 @@ class Target:
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("worker", help="instance id (see `weir status`) or worker pod name")
     parser.add_argument(
-        "--timeout",
+        "--drain-timeout",
         type=float,
         default=600.0,
         metavar="S",
@@ -58,6 +59,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     add_cluster_args(parser)
     add_plane_args(parser, load=False)
+    add_old_spelling(parser, "--timeout", "--drain-timeout")  # `weir worker` calls it --drain-timeout
     parser.set_defaults(run=run)
 
 
@@ -74,13 +76,13 @@ def drain(args: argparse.Namespace, say: Callable[[str], None]) -> None:
     planes = from_flags(args)
     if planes is not None and not _kube_flags_given(args):
         # --etcd (or WEIR_ETCD) alone: work on bare etcd, by instance id, without the API.
-        asyncio.run(_drain(planes, args.worker, {}, args.timeout, say))
+        asyncio.run(_drain(planes, args.worker, {}, args.drain_timeout, say))
         return
     k8s_ns = namespace(args)
     with api_client(args) as api:
         planes = planes or from_release(api, k8s_ns, args)
         pods = worker_pods(api, k8s_ns, args.release)
-        targets = asyncio.run(_drain(planes, args.worker, pods, args.timeout, say))
+        targets = asyncio.run(_drain(planes, args.worker, pods, args.drain_timeout, say))
         for pod in sorted({t.pod for t in targets if t.pod}):
             say(_mark_for_removal(api, k8s_ns, pod))
 

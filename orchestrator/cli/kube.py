@@ -20,6 +20,8 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
+from orchestrator.cli.options import env_default
+
 # Exit codes.
 EXIT_FAILED = 1  # the operation ran and failed (e.g. a drain timed out)
 EXIT_USAGE = 2  # what argparse uses for bad arguments; also an ambiguous pool
@@ -53,7 +55,10 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "-n",
         "--namespace",
-        help="Kubernetes namespace of the release (default: the context's namespace, else 'default')",
+        # Not WEIR_NAMESPACE: that is the weir namespace (--weir-namespace), which the chart's pods get.
+        default=env_default("WEIR_KUBE_NAMESPACE"),
+        help="Kubernetes namespace of the release (env WEIR_KUBE_NAMESPACE; default: the context's "
+        "namespace, else 'default')",
     )
     group.add_argument(
         "--release", help="Helm release name (needed only when several releases share the namespace)"

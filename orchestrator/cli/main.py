@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
+
+from orchestrator.cli.options import add_environment_defaults
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -22,13 +25,23 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weir", description="Weir inference control plane")
+    parser.add_argument("--version", action="version", version=f"weir {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         if only is not None and name != only:
             sub.add_parser(name, help=help_text)
             continue
-        importlib.import_module(module).register(sub.add_parser(name, help=help_text, description=help_text))
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).register(command)
+        add_environment_defaults(command)
     return parser
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("weir")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed; pip install -e .)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,11 @@
-"""Flags shared by the serving commands (`serve`, `frontend`, `worker`, `router`).
+"""Flags shared by the serving commands (`serve`, `frontend`, `worker`, `router`), and the
+environment variables of every command's flags.
 
-Every flag that a deployment sets per environment also reads an environment variable, named
-in its help text, so a container image can be configured without a command line: the flag
-wins, then the variable, then the default.
+Every flag also reads an environment variable, named in its help text, so a container image
+can be configured without a command line: the flag wins, then the variable, then the default.
+`add_environment_defaults` gives each flag `WEIR_<FLAG>` (`--kv-overlap-weight`:
+WEIR_KV_OVERLAP_WEIGHT); a flag whose help already names another variable (`env WEIR_...`,
+set with `env_default`) keeps that one.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from types import FrameType
 from typing import Any
@@ -19,6 +24,11 @@ from typing import Any
 from orchestrator.runtime.discovery import DEFAULT_TTL
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+ENV_PREFIX = "WEIR_"
+# How a help text names its flag's variable; the help is where users look for it.
+_NAMED_VARIABLE = re.compile(r"\benv (WEIR_[A-Z0-9_]+)")
+_TRAILING_DEFAULT = re.compile(r"\((default\b[^()]*)\)$")
+_BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
 def env_default(name: str, default: Any = None, convert: Callable[[str], Any] = str) -> Any:
@@ -27,16 +37,108 @@ def env_default(name: str, default: Any = None, convert: Callable[[str], Any] = 
         return default
     try:
         return convert(value)
-    except ValueError as exc:
+    except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
         raise SystemExit(f"weir: environment variable {name}={value!r} is invalid: {exc}") from exc
+
+
+def add_environment_defaults(parser: argparse.ArgumentParser) -> None:
+    """Let `WEIR_<FLAG>` set the default of each of `parser`'s flags whose help names no
+    variable yet, and name it there. Call once the parser has all its flags."""
+    for action in parser._actions:
+        if not _settable_from_environment(action) or _NAMED_VARIABLE.search(action.help or ""):
+            continue
+        flag = next(option for option in action.option_strings if option.startswith("--"))
+        name = ENV_PREFIX + flag[2:].upper().replace("-", "_")
+        value = env_default(name, None, _env_converter(action))
+        if value is not None:
+            action.default = value
+            action.required = False
+        action.help = _name_variable(action.help, name)
+
+
+def _settable_from_environment(action: argparse.Action) -> bool:
+    """Not positionals, --help, --version, hidden flags, nor kinds of action (append, count,
+    several values) that one string cannot stand for."""
+    return (
+        bool(action.option_strings)
+        and action.help != argparse.SUPPRESS
+        and action.nargs in (None, 0)
+        and isinstance(action, argparse._StoreAction | argparse._StoreConstAction)
+    )
+
+
+def _env_converter(action: argparse.Action) -> Callable[[str], Any]:
+    if isinstance(action, argparse._StoreConstAction):  # a switch: set means given
+        const, unset = action.const, action.default
+
+        def switch(text: str) -> Any:
+            if text.lower() not in _BOOLEANS:
+                raise ValueError(f"expected one of {', '.join(_BOOLEANS)}")
+            return const if _BOOLEANS[text.lower()] else unset
+
+        return switch
+    convert: Callable[[str], Any] = action.type if callable(action.type) else str
+    choices = action.choices
+
+    def value(text: str) -> Any:
+        converted = convert(text)
+        if choices is not None and converted not in choices:
+            raise ValueError(f"choose from {', '.join(map(str, choices))}")
+        return converted
+
+    return value
+
+
+def _name_variable(help_text: str | None, name: str) -> str:
+    """'... (default 8)' becomes '... (env WEIR_X; default 8)', the hand-written flags' style."""
+    if help_text is None:
+        return f"(env {name})"
+    with_default = _TRAILING_DEFAULT.sub(lambda found: f"(env {name}; {found.group(1)})", help_text)
+    return with_default if with_default != help_text else f"{help_text} (env {name})"
+
+
+def add_old_spelling(parser: argparse.ArgumentParser, old: str, new: str) -> None:
+    """Keep `old`, the former spelling of flag `new`, working for one release: hidden from
+    --help (and from the environment), and saying on stderr what to write instead."""
+    parser.add_argument(old, action=_OldSpelling, target=parser._option_string_actions[new])
+
+
+class _OldSpelling(argparse.Action):
+    """Parses its values as `target` does, then hands them to it."""
+
+    def __init__(self, option_strings: list[str], dest: str, target: argparse.Action) -> None:
+        super().__init__(
+            option_strings,
+            target.dest,
+            nargs=target.nargs,
+            type=target.type if callable(target.type) else None,  # no registry names here
+            choices=target.choices,
+            default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS,
+        )
+        self.target = target
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        new = self.target.option_strings[-1]
+        print(
+            f"{parser.prog}: {option_string} is now {new}; the old spelling goes in the next release",
+            file=sys.stderr,
+        )
+        self.target(parser, namespace, values, new)
 
 
 def add_log_level(parser: argparse.ArgumentParser, default: str = "warning") -> None:
     parser.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
-        default=env_default("WEIR_LOG_LEVEL", default),
-        help=f"log verbosity (env WEIR_LOG_LEVEL; default {default})",
+        default=default,
+        help=f"log verbosity (default {default})",
     )
 
 
@@ -44,20 +146,22 @@ def add_cluster_planes(parser: argparse.ArgumentParser) -> None:
     """--namespace, --etcd, --nats: where cluster-mode processes find each other."""
     group = parser.add_argument_group("cluster planes")
     group.add_argument(
-        "--namespace",
+        "--weir-namespace",
+        dest="namespace",
         default=env_default("WEIR_NAMESPACE", "default"),
         help="weir namespace: prefix of discovery keys and event subjects "
         "(env WEIR_NAMESPACE; default 'default')",
     )
+    add_old_spelling(parser, "--namespace", "--weir-namespace")
     group.add_argument(
         "--etcd",
-        default=env_default("WEIR_ETCD", "http://127.0.0.1:2379"),
-        help="etcd URL for discovery (env WEIR_ETCD; default http://127.0.0.1:2379)",
+        default="http://127.0.0.1:2379",
+        help="etcd URL for discovery (default http://127.0.0.1:2379)",
     )
     group.add_argument(
         "--nats",
-        default=env_default("WEIR_NATS", "nats://127.0.0.1:4222"),
-        help="NATS URL for KV events and load reports (env WEIR_NATS; default nats://127.0.0.1:4222)",
+        default="nats://127.0.0.1:4222",
+        help="NATS URL for KV events and load reports (default nats://127.0.0.1:4222)",
     )
 
 
@@ -79,42 +183,37 @@ def add_service_arguments(
     )
     plane.add_argument(
         "--advertise-host",
-        default=env_default("WEIR_ADVERTISE_HOST"),
-        help="address frontends dial, when --host is a wildcard (env WEIR_ADVERTISE_HOST; "
-        "default: --host, or this host's address)",
+        help="address frontends dial, when --host is a wildcard (default: --host, or this host's address)",
     )
     plane.add_argument(
         "--metrics-port",
         type=int,
-        default=env_default("WEIR_METRICS_PORT", None, int),
-        help="serve /live, /health and /metrics on this port (env WEIR_METRICS_PORT; default: off)",
+        help="serve /live, /health and /metrics on this port (default: off)",
     )
     plane.add_argument(
         "--instance-id",
-        default=env_default("WEIR_INSTANCE_ID"),
-        help=f"this {what}'s id in discovery (env WEIR_INSTANCE_ID; default: hostname + random suffix)",
+        help=f"this {what}'s id in discovery (default: hostname + random suffix)",
     )
     plane.add_argument(
         "--lease-ttl",
         type=float,
-        default=env_default("WEIR_LEASE_TTL", DEFAULT_TTL, float),
+        default=DEFAULT_TTL,
         metavar="SECONDS",
-        help=f"discovery lease: a dead {what} disappears after this long (env WEIR_LEASE_TTL; "
-        f"default {DEFAULT_TTL:g})",
+        help=f"discovery lease: a dead {what} disappears after this long (default {DEFAULT_TTL:g})",
     )
 
 
 def add_router_arguments(
-    parser: argparse.ArgumentParser, modes: Sequence[str], default_mode: str
+    parser: argparse.ArgumentParser, modes: Sequence[str], default_mode: str, default_seed: int | None = None
 ) -> argparse._ArgumentGroup:
-    """--router-mode and the router's parameters (`frontend`, `serve`, `router`); returns the
-    group for command-specific additions."""
+    """--router-mode and the router's parameters (`frontend`, `serve`, `router`, `replay`);
+    returns the group for command-specific additions."""
     routing = parser.add_argument_group("routing")
     routing.add_argument(
         "--router-mode",
         choices=modes,
-        default=env_default("WEIR_ROUTER_MODE", default_mode),
-        help=f"how a worker is chosen (env WEIR_ROUTER_MODE; default {default_mode})",
+        default=default_mode,
+        help=f"how a worker is chosen (default {default_mode})",
     )
     routing.add_argument(
         "--kv-overlap-weight",
@@ -131,7 +230,13 @@ def add_router_arguments(
         action="store_true",
         help="kv mode: predict worker caches from routing decisions instead of KV events",
     )
-    routing.add_argument("--router-seed", type=int, help="seed for random choices, for reproducible runs")
+    routing.add_argument(
+        "--router-seed",
+        type=int,
+        default=default_seed,
+        help="seed for random choices, for reproducible runs"
+        + ("" if default_seed is None else f" (default {default_seed})"),
+    )
     return routing
 
 

@@ -9,12 +9,12 @@ ConfigMap holds in-cluster service names: from outside the cluster, port-forward
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 
 from kubernetes import client
 
 from orchestrator.cli.kube import EXIT_NOT_FOUND, EXIT_USAGE, OperatorError, api_errors, meta
+from orchestrator.cli.options import env_default
 from orchestrator.cli.pools import COMPONENT_LABEL, NAME_LABEL, RELEASE_LABEL
 
 
@@ -31,18 +31,16 @@ def add_plane_args(parser: argparse.ArgumentParser, load: bool = True) -> None:
     group = parser.add_argument_group("discovery")
     group.add_argument(
         "--etcd",
-        default=os.environ.get("WEIR_ETCD"),
-        help="etcd URL, e.g. http://127.0.0.1:2379 (env WEIR_ETCD; default: the release's ConfigMap)",
+        help="etcd URL, e.g. http://127.0.0.1:2379 (default: the release's ConfigMap)",
     )
     if load:
         group.add_argument(
             "--nats",
-            default=os.environ.get("WEIR_NATS"),
-            help="NATS URL for load reports (env WEIR_NATS; default: the release's ConfigMap)",
+            help="NATS URL for load reports (default: the release's ConfigMap)",
         )
     group.add_argument(
         "--weir-namespace",
-        default=os.environ.get("WEIR_NAMESPACE"),
+        default=env_default("WEIR_NAMESPACE"),
         help="weir namespace of discovery keys (env WEIR_NAMESPACE; default: the ConfigMap's)",
     )
 

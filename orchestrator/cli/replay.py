@@ -15,8 +15,21 @@ import logging
 import sys
 import time
 
+from orchestrator.cli.options import add_old_spelling, add_router_arguments, router_params
 from router.replay import RequestRecord, TraceRequest, TraceTokens, read_trace, report, summarize
 from router.router import MODES
+
+# Old spelling -> the name the other commands use for the same thing; kept for one release.
+RENAMED_FLAGS = {
+    "--model": "--served-model-name",
+    "--speedup": "--trace-speedup",
+    "--router": "--router-mode",
+    "--overlap-weight": "--kv-overlap-weight",
+    "--temperature": "--router-temperature",
+    "--seed": "--router-seed",
+    "--cache-blocks": "--num-blocks",
+    "--output": "--output-file",
+}
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -24,31 +37,29 @@ def register(parser: argparse.ArgumentParser) -> None:
         "trace", help="Mooncake-format JSONL: timestamp (ms), input_length, output_length, hash_ids"
     )
     parser.add_argument("--url", help="replay online against this frontend (e.g. http://127.0.0.1:8000)")
-    parser.add_argument("--model", help="online: model name (default: the frontend's first model)")
     parser.add_argument(
-        "--speedup", type=float, default=1.0, help="online: divide trace time by this (default 1)"
+        "--served-model-name",
+        metavar="NAME",
+        help="online: the model name to ask for (default: the frontend's first model)",
+    )
+    parser.add_argument(
+        "--trace-speedup", type=float, default=1.0, help="online: divide trace time by this (default 1)"
     )
     parser.add_argument("--workers", type=int, default=8, help="offline: mocker workers (default 8)")
-    parser.add_argument(
-        "--router", choices=MODES[:4], default="kv", help="offline: routing mode (default kv)"
-    )
-    parser.add_argument(
-        "--overlap-weight", type=float, help="kv: weight of blocks to prefill vs active blocks"
-    )
-    parser.add_argument("--temperature", type=float, help="kv: 0 = cheapest worker; > 0 samples (softmax)")
-    parser.add_argument(
-        "--no-kv-events", action="store_true", help="kv: predict caches from decisions, no events"
-    )
+    add_router_arguments(parser, MODES[:4], "kv", default_seed=0)
     parser.add_argument("--kv-event-delay-ms", type=float, default=0.0, help="offline: KV event latency (ms)")
     parser.add_argument("--block-size", type=int, default=64, help="tokens per engine KV block (default 64)")
-    parser.add_argument("--cache-blocks", type=int, default=16_384, help="offline: KV blocks per worker")
+    parser.add_argument(
+        "--num-blocks", type=int, default=16_384, help="offline: KV blocks per mocker worker (default 16384)"
+    )
     parser.add_argument(
         "--trace-block-size", type=int, default=512, help="tokens per trace hash id (default 512)"
     )
     parser.add_argument("--vocab-size", type=int, default=32_000, help="synthetic token ids fall below this")
     parser.add_argument("--max-requests", type=int, help="replay only the first N requests")
-    parser.add_argument("--seed", type=int, default=0, help="router seed for random choices (default 0)")
-    parser.add_argument("--output", help="also write the final JSON line to this file")
+    parser.add_argument("--output-file", metavar="FILE", help="also write the final JSON line to this file")
+    for old, new in RENAMED_FLAGS.items():
+        add_old_spelling(parser, old, new)
     parser.set_defaults(run=run)
 
 
@@ -74,13 +85,15 @@ def run(args: argparse.Namespace) -> int:
     if args.url:
         from router.replay_online import replay_online
 
-        records = asyncio.run(replay_online(args.url, trace, tokens, args.model, args.speedup))
+        records = asyncio.run(
+            replay_online(args.url, trace, tokens, args.served_model_name, args.trace_speedup)
+        )
         label = "frontend"
     else:
         records = _offline(args, trace, tokens)
-        label = args.router if args.router != "kv" or not args.no_kv_events else "kv-approx"
+        label = args.router_mode if args.router_mode != "kv" or not args.no_kv_events else "kv-approx"
     print(f"replayed {len(trace)} requests in {time.perf_counter() - started:.1f} s wall", file=sys.stderr)
-    report(summarize(records, label), args.output)
+    report(summarize(records, label), args.output_file)
     return 0
 
 
@@ -89,19 +102,11 @@ def _offline(args: argparse.Namespace, trace: list[TraceRequest], tokens: TraceT
     from backends.mocker.replay import OfflineReplay, VirtualClock
     from router.router import make_router
 
-    params = {"overlap_weight": args.overlap_weight, "temperature": args.temperature}
     clock = VirtualClock()
-    router = make_router(
-        args.router,
-        args.block_size,
-        kv_events=not args.no_kv_events,
-        seed=args.seed,
-        clock=clock,
-        **{k: v for k, v in params.items() if v is not None},
-    )
+    router = make_router(args.router_mode, args.block_size, clock=clock, **router_params(args))
     longest = max(r.input_length + r.output_length for r in trace)
     config = MockerConfig(
-        num_blocks=args.cache_blocks,
+        num_blocks=args.num_blocks,
         block_size=args.block_size,
         vocab_size=args.vocab_size,
         context_length=max(longest, MockerConfig().context_length),

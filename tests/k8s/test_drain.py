@@ -26,7 +26,7 @@ CARD = ModelCard(name="mock-model", role="decode", backend="mocker")
 
 
 def drain_argv(etcd: str, namespace: str, worker: str, timeout: float) -> list[str]:
-    return ["drain", worker, "--etcd", etcd, "--weir-namespace", namespace, "--timeout", str(timeout)]
+    return ["drain", worker, "--etcd", etcd, "--weir-namespace", namespace, "--drain-timeout", str(timeout)]
 
 
 def test_unknown_worker(capsys: pytest.CaptureFixture[str], etcd_url: str) -> None:

@@ -81,9 +81,9 @@ def replay_json(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[dict[st
 def test_offline_replay_of_a_trace_slice_kv_beats_round_robin(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    common = [str(SHARED_TRACE), "--workers", "4", "--max-requests", "300", "--cache-blocks", "8192"]
-    kv, _ = replay_json(capsys, *common, "--router", "kv", "--output", str(tmp_path / "kv.json"))
-    rr, _ = replay_json(capsys, *common, "--router", "round-robin")
+    common = [str(SHARED_TRACE), "--workers", "4", "--max-requests", "300", "--num-blocks", "8192"]
+    kv, _ = replay_json(capsys, *common, "--router-mode", "kv", "--output-file", str(tmp_path / "kv.json"))
+    rr, _ = replay_json(capsys, *common, "--router-mode", "round-robin")
     assert kv["completed"] == rr["completed"] == 300
     assert kv["hit_rate"] > rr["hit_rate"] > 0
     assert kv["ttft_mean_ms"] < rr["ttft_mean_ms"]

@@ -1,7 +1,8 @@
 """The chart's pods, run as local processes: each container's args and environment exactly as
 rendered (ConfigMap via envFrom, env, downward-API pod IP), against real etcd and NATS. They
 must find each other through the ConfigMap's addresses, pass their probes and serve a
-completion; `weir status` then sees the worker and its load."""
+completion; `weir status` then sees the worker and its load. Every example that runs on CPU is
+run the same way, each of its Deployments a process, and serves a chat completion."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +21,11 @@ import httpx
 import pytest
 import yaml
 
-from tests.k8s.helm import Manifest, find, one, render
+from tests.cli.procs import weir_process
+from tests.cluster import Cluster, metric
+from tests.k8s.helm import CHART, Manifest, find, one, render
 from tests.servers import free_port
-from tests.waiting import wait_http_ok
+from tests.waiting import wait_http_ok, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -34,6 +40,8 @@ def container_env(manifests: list[Manifest], container: Manifest, pod_ip: str) -
             env[var["name"]] = var["value"]
         elif var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
             env[var["name"]] = pod_ip
+        else:  # a Secret, another field: the processes would run without it, so say so
+            pytest.fail(f"no local stand-in for the env var {var}")
     return env
 
 
@@ -108,3 +116,150 @@ def test_rendered_pods_find_each_other_and_serve(pods: dict[str, Any]) -> None:
     assert entry["address"].startswith("127.0.0.1:")
     assert entry["state"] == "serving"
     assert entry["load"]["total_blocks"] > 0
+
+
+# The examples this machine can run: CPU only, nothing to download. aggregated-deepinfer.yaml
+# and external-planes.yaml serve Qwen3 checkpoints from a model claim on GPUs; those weights are
+# not available offline, so they are linted, rendered and validated (test_chart_lint,
+# test_chart_manifests) but not run here.
+CPU_EXAMPLES = [CHART / "examples" / "mocker-cpu.yaml"]
+# The pods' "cache" volume, here: the user cache, where the bundled model is converted once (a
+# fresh directory per pod, as each pod's emptyDir is, would convert it again, 10-20 s apiece).
+LOCAL_CACHE = Path.home() / ".cache"
+PORT_FLAGS = ("--port", "--metrics-port")
+
+
+@dataclass
+class LocalPod:
+    """One Deployment's container as a process on this machine."""
+
+    deployment: str
+    component: str
+    labels: dict[str, str]  # the pod template's
+    args: list[str]  # after the image's entrypoint, `weir`
+    env: dict[str, str]
+    ports: dict[str, int]  # container port name -> the local port standing in for it
+    readiness: Manifest  # the readinessProbe's httpGet
+
+    def url(self, port_name: str) -> str:
+        return f"http://127.0.0.1:{self.ports[port_name]}"
+
+
+def _map_values(args: list[str], rewrite: Callable[[str, str], str]) -> list[str]:
+    """Each `--flag=value` of `args` as `--flag=rewrite(flag, value)`."""
+    out = []
+    for arg in args:
+        flag, eq, value = arg.partition("=")
+        out.append(f"{flag}={rewrite(flag, value)}" if eq else arg)
+    return out
+
+
+def _local_path(value: str, mounts: dict[str, Path]) -> str:
+    for mount, local in mounts.items():
+        if value == mount or value.startswith(mount + "/"):
+            return str(local) + value[len(mount) :]
+    return value
+
+
+def _local_pod(manifests: list[Manifest], dep: Manifest, planes: dict[str, str], scratch: Path) -> LocalPod:
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    assert "command" not in container, "the chart runs the image's entrypoint, `weir`"
+    name = dep["metadata"]["name"]
+    # Every port the pod listens on gets a free one (two pools both want 9000 and 9090).
+    remap = {}
+    for flag, _, value in (arg.partition("=") for arg in container["args"]):
+        if flag in PORT_FLAGS:
+            remap[value] = str(free_port())
+    ports = {p["name"]: int(remap[str(p["containerPort"])]) for p in container["ports"]}
+    mounts = {
+        m["mountPath"]: LOCAL_CACHE if m["name"] == "cache" else scratch / name / m["name"]
+        for m in container.get("volumeMounts", [])
+    }
+    for local in mounts.values():
+        local.mkdir(parents=True, exist_ok=True)
+    env = container_env(manifests, container, pod_ip="127.0.0.1")
+    assert planes.keys() <= env.keys(), "the chart passes etcd and NATS as WEIR_ETCD / WEIR_NATS"
+    return LocalPod(
+        deployment=name,
+        component=dep["metadata"]["labels"]["app.kubernetes.io/component"],
+        labels=dep["spec"]["template"]["metadata"]["labels"],
+        args=_map_values(
+            container["args"], lambda flag, v: remap[v] if flag in PORT_FLAGS else _local_path(v, mounts)
+        ),
+        env={key: _local_path(value, mounts) for key, value in env.items()} | planes,
+        ports=ports,
+        readiness=container["readinessProbe"]["httpGet"],
+    )
+
+
+def _service_address(address: str, manifests: list[Manifest], pods: list[LocalPod]) -> str:
+    """`<service>.<namespace>.svc:<port>` as the local address of the pod the Service selects."""
+    host, port = address.rsplit(":", 1)
+    service = one(manifests, "Service", host.split(".")[0])
+    (target,) = [p["targetPort"] for p in service["spec"]["ports"] if p["port"] == int(port)]
+    (behind,) = [pod for pod in pods if service["spec"]["selector"].items() <= pod.labels.items()]
+    return f"127.0.0.1:{behind.ports[target]}"
+
+
+def local_pods(manifests: list[Manifest], etcd_url: str, nats_url: str, scratch: Path) -> list[LocalPod]:
+    """Every rendered Deployment's container as it runs here: args, env (ConfigMap, values, pod
+    IP 127.0.0.1) and probes as rendered, except what cannot be the same on one machine: etcd
+    and NATS are the test's, each listening port is a free one, a Service address is the local
+    port of the pod behind it, volume mounts are local directories."""
+    planes = {"WEIR_ETCD": etcd_url, "WEIR_NATS": nats_url}
+    pods = [_local_pod(manifests, dep, planes, scratch) for dep in find(manifests, "Deployment")]
+    for pod in pods:  # now that every pod has its local ports
+        pod.args = _map_values(
+            pod.args,
+            lambda flag, v: _service_address(v, manifests, pods) if flag == "--router-address" else v,
+        )
+    return pods
+
+
+@pytest.mark.parametrize(
+    ("example", "sets"),
+    [*((path, {}) for path in CPU_EXAMPLES), (CPU_EXAMPLES[0], {"router.enabled": "true"})],
+    ids=[*(path.name for path in CPU_EXAMPLES), f"{CPU_EXAMPLES[0].name}+router.enabled"],
+)
+def test_cpu_example_runs_and_serves_a_chat(
+    helm_bin: str, etcd_url: str, nats_url: str, tmp_path: Path, example: Path, sets: dict[str, str]
+) -> None:
+    """The example's Deployments, one process each (replicas aside), pass their readiness
+    probes and serve a chat completion through the rendered frontend: every pool's worker is
+    routable, and the standalone router, when enabled, makes the decision."""
+    pools = yaml.safe_load(example.read_text())["pools"]
+    (model,) = {pool["model"] for pool in pools}
+    release = f"run{time.monotonic_ns() % 10**9}"  # also its weir namespace, apart from other tests'
+    manifests = render(helm_bin, example, sets=sets, release=release)
+    pods = local_pods(manifests, etcd_url, nats_url, tmp_path)
+    with_router = "router.enabled" in sets
+    assert sorted(pod.component for pod in pods) == sorted(
+        ["frontend", *["worker"] * len(pools), *(["router"] * with_router)]
+    )
+    with ExitStack() as stack:
+        procs: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
+        for pod in pods:
+            log = tmp_path / f"{pod.deployment}.log"
+            procs[pod.deployment] = (stack.enter_context(weir_process(*pod.args, log=log, env=pod.env)), log)
+        for pod in pods:
+            proc, log = procs[pod.deployment]
+            probe = pod.url(pod.readiness["port"]) + pod.readiness["path"]
+            wait_http_ok(probe, 120, proc=proc, log=log, interval=0.1)
+        (frontend,) = [pod for pod in pods if pod.component == "frontend"]
+        cluster = Cluster(frontend.url("http"), {})
+        wait_until(
+            lambda: cluster.known_workers() == len(pools), f"the frontend to see {len(pools)} workers", 60
+        )
+
+        reply = cluster.client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Hello!"}],
+            max_tokens=8,
+            extra_body={"ignore_eos": True},
+        )
+        assert reply.choices[0].finish_reason == "length"
+        assert reply.usage is not None and reply.usage.completion_tokens == 8
+        for pod in pods:
+            if pod.component == "router":
+                text = httpx.get(pod.url("metrics") + "/metrics", timeout=5).text
+                assert metric(text, "weir_router_decisions_total", f'model="{model}",mode="kv"') == 1

@@ -1,6 +1,6 @@
 """`weir scale POOL --replicas N`: set a worker pool's size through its Deployment's scale
-subresource, the same door HPA and the planner use, so the three compose instead of fighting
-over the Deployment spec."""
+subresource, the same door HPA uses (and a planner will, once there is one), so they compose
+instead of fighting over the Deployment spec."""
 
 from __future__ import annotations
 

@@ -103,6 +103,8 @@ def parse_error(command_line: str) -> str | None:
     assert words[0] == "weir", command_line
     if len(words) == 1:
         return None
+    if words[1].startswith("-"):  # weir's own options
+        return _parse(None, words[1:])
     named = re.split(r"[|/]", words[1])
     commands = sorted(COMMANDS) if named == ["COMMAND"] else named
     for command in commands:
@@ -118,9 +120,12 @@ def parse_error(command_line: str) -> str | None:
     return None
 
 
-def _parse(command: str, rest: list[str]) -> str | None:
-    top = build_parser(only=command)
-    sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+def _parse(command: str | None, rest: list[str]) -> str | None:
+    """Parse `weir COMMAND REST`, or `weir REST` without a command."""
+    top = build_parser(only=command or "")
+    sub = top
+    if command is not None:
+        sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
     variables = set(NAMED.findall(" ".join((a.help or "") for a in sub._actions)))
     unknown = sorted(name for name in os.environ if name.startswith("WEIR_") and name not in variables)
     if unknown:
@@ -128,7 +133,7 @@ def _parse(command: str, rest: list[str]) -> str | None:
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         try:
-            top.parse_args([command, *_fill_placeholders(sub, rest)])
+            top.parse_args([*([command] if command else []), *_fill_placeholders(sub, rest)])
         except SystemExit as exc:
             if exc.code != 0:  # 0: --help
                 return stderr.getvalue().strip().splitlines()[-1]
@@ -211,6 +216,7 @@ def test_extraction_handles_shell_and_inline_forms() -> None:
         "weir scale/status/drain",
         "weir COMMAND --help",
         "weir router --port 9100 [--router-mode kv ...]",
+        "weir --version",
     ],
 )
 def test_placeholders_parse(command_line: str) -> None:
@@ -225,6 +231,7 @@ def test_placeholders_parse(command_line: str) -> None:
         ("weir serve --workers two", "invalid int value: 'two'"),
         ("weir scale --replicas 2", "the following arguments are required: pool"),
         ("weir serve|nope", "no command 'nope'"),
+        ("weir --verbose", "unrecognized arguments: --verbose"),
         ("WEIR_NOPE=1 weir serve", "WEIR_NOPE is not one of its environment variables"),
     ],
 )

@@ -114,13 +114,18 @@ def make_engine(args: argparse.Namespace, model_dir: Path) -> Engine:
 
 def _model_shape(model_dir: Path) -> dict[str, Any]:
     """What the mocker must agree on with the model: the tokenizer's vocabulary (so generated
-    ids decode) and the context length, where the directory says."""
+    ids decode), its EOS ids (so a mocked answer ends as the model's would) and the context
+    length, where the directory says."""
     from tokenizers import Tokenizer
+
+    from orchestrator.runtime.model_files import eos_token_ids
 
     shape: dict[str, Any] = {}
     if (model_dir / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         shape["vocab_size"] = tokenizer.get_vocab_size(with_added_tokens=True)
+        if eos := eos_token_ids(model_dir, tokenizer):
+            shape["eos_token_ids"] = eos
     with contextlib.suppress(OSError, ValueError):
         config = json.loads((model_dir / "config.json").read_text())
         if isinstance(config.get("max_position_embeddings"), int):

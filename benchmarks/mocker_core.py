@@ -35,6 +35,7 @@ def make_requests(n: int, block_size: int, rng: random.Random) -> list[WorkerReq
                 token_ids=prompt,
                 max_tokens=rng.randrange(32, 256),
                 block_hashes=block_hashes(prompt, block_size),
+                ignore_eos=True,  # exactly these output lengths, as the figures in docs/mocker.md
             )
         )
     return requests

@@ -6,7 +6,7 @@ import argparse
 import contextlib
 from typing import Any
 
-from backends.mocker.config import MockerConfig
+from backends.mocker.config import OUTPUT_LENGTH_DISTRIBUTIONS, MockerConfig
 from backends.mocker.timing import TimingModel
 
 _DEFAULTS = MockerConfig()
@@ -21,6 +21,8 @@ _FLAGS: dict[str, str] = {
     "max_num_seqs": "running sequences per step",
     "vocab_size": "generated token ids lie in [0, N): match the tokenizer",
     "context_length": "context length in the model card",
+    "output_length_mean": "mean output length, EOS included, of a request without ignore_eos",
+    "output_length_sigma": "sigma of the lognormal output length",
 }
 # Fields `backends.registry` takes from the model directory when the flag is not given.
 _FROM_MODEL: dict[str, str] = {
@@ -45,6 +47,13 @@ def add_mocker_arguments(parser: argparse.ArgumentParser) -> None:
                 help=f"{help_text} ({shown})",
             )
     group.add_argument(
+        "--output-length-distribution",
+        choices=OUTPUT_LENGTH_DISTRIBUTIONS,
+        default=None,
+        help="how output lengths spread around the mean: lognormal (by --output-length-sigma), geometric "
+        f"(EOS equally likely at every token) or fixed (default {_DEFAULTS.output_length_distribution})",
+    )
+    group.add_argument(
         "--timing-model",
         metavar="FILE",
         default=None,
@@ -57,7 +66,9 @@ def mocker_config_from_args(args: argparse.Namespace, **overrides: Any) -> Mocke
     """A MockerConfig from parsed flags; `overrides` (e.g. model_name, model_path) win.
     Raises ValueError for a bad value or an unreadable timing model file."""
     values: dict[str, Any] = {
-        dest: getattr(args, dest) for dest in _FLAGS if getattr(args, dest, None) is not None
+        dest: getattr(args, dest)
+        for dest in (*_FLAGS, "output_length_distribution")
+        if getattr(args, dest, None) is not None
     }
     timing_file = getattr(args, "timing_model", None)
     if timing_file:

@@ -2,7 +2,8 @@
 
 `MockerCore` runs DeepInfer's real scheduler and block manager (continuous batching,
 chunked prefill, prefix caching, preemption, KV events) and replaces the model with a
-timing model and a deterministic token generator. It never sleeps and never touches an
+timing model and a deterministic token generator, which ends each request with EOS after a
+length drawn from its seed. It never sleeps and never touches an
 event loop: `step()` returns how long the step would have taken, and the caller decides
 what to do with that, either wait it out (`MockerEngine`) or advance a virtual clock
 (offline trace replay, driving many cores at once).
@@ -10,7 +11,9 @@ what to do with that, either wait it out (`MockerEngine`) or advance a virtual c
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import xxhash
 
@@ -29,6 +32,7 @@ from orchestrator.runtime.protocol import (
 )
 
 _M64 = (1 << 64) - 1
+_STANDARD_NORMAL = NormalDist()
 
 
 @dataclass(slots=True)
@@ -59,12 +63,15 @@ class MockerCore:
             enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
-        # No EOS: the mocker only stops on max_tokens, stop_token_ids or the context length.
-        self.scheduler = Scheduler(engine_config, config.num_blocks)
+        # The scheduler applies EOS as DeepInfer's does (min_tokens, ignore_eos, finish "stop").
+        self.scheduler = Scheduler(engine_config, config.num_blocks, config.eos_token_ids)
         self.block_manager = self.scheduler.block_manager
         self.timing = config.timing
         self.clock_ms = 0.0  # simulated time spent in steps so far
-        self._seeds: dict[str, int] = {}
+        self._eos = config.eos_token_ids[0]
+        self._eos_ids = frozenset(config.eos_token_ids)
+        # request id -> (token seed, the output length that ends with EOS; 0 for none)
+        self._requests: dict[str, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ requests
 
@@ -73,17 +80,37 @@ class MockerCore:
         it can never run."""
         seq = self.scheduler.add(request)
         seed = request.sampling.seed
-        self._seeds[request.request_id] = (
-            xxhash.xxh3_64_intdigest(request.request_id.encode()) if seed is None else seed
-        )
+        if seed is None:
+            seed = xxhash.xxh3_64_intdigest(request.request_id.encode())
+        eos_at = 0 if request.ignore_eos else max(self.output_length(seed), request.min_tokens)
+        self._requests[request.request_id] = (seed, eos_at)
         return seq
+
+    def output_length(self, seed: int) -> int:
+        """How many tokens a request with this seed generates, EOS included, when nothing
+        (max_tokens, the context length) cuts it short."""
+        config = self.config
+        mean = config.output_length_mean
+        if config.output_length_distribution == "fixed":
+            return max(1, round(mean))
+        # Position -1 of the seed's token stream, which no token uses, so the length does not
+        # follow from any token; mapped into (0, 1).
+        u = (_bits(seed, -1) + 0.5) / 2.0**64
+        if config.output_length_distribution == "geometric":
+            # Every token is EOS with probability 1/mean: memoryless, many short answers.
+            if mean <= 1:
+                return 1
+            return 1 + int(math.log(u) / math.log1p(-1.0 / mean))
+        sigma = config.output_length_sigma
+        mu = math.log(mean) - sigma * sigma / 2  # so that the mean is `mean`
+        return max(1, round(math.exp(mu + sigma * _STANDARD_NORMAL.inv_cdf(u))))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request and free its blocks; its final output, or None if unknown."""
         seq = self.scheduler.abort(request_id)
         if seq is None:
             return None
-        del self._seeds[request_id]
+        del self._requests[request_id]
         return RequestOutput(request_id, [], "abort", _usage(seq))
 
     def has_work(self) -> bool:
@@ -98,7 +125,7 @@ class MockerCore:
         prefill_tokens = 0
         decoding = False
         sampled: list[SampledToken] = []
-        seeds, vocab_size = self._seeds, self.config.vocab_size
+        requests, vocab_size, eos_ids = self._requests, self.config.vocab_size, self._eos_ids
         for chunk in out.chunks:
             seq = chunk.seq
             length = len(seq.token_ids)
@@ -107,7 +134,14 @@ class MockerCore:
             else:
                 prefill_tokens += chunk.num_tokens  # a prompt, or a preempted sequence's recompute
             if chunk.sample:
-                sampled.append(SampledToken(_token(seeds[seq.request_id], length, vocab_size)))
+                seed, eos_at = requests[seq.request_id]
+                if length - seq.num_prompt_tokens + 1 == eos_at:
+                    token = self._eos
+                else:
+                    token = _token(seed, length, vocab_size)
+                    while token in eos_ids:  # only the drawn length ends a request
+                        token = (token + 1) % vocab_size
+                sampled.append(SampledToken(token))
         duration = self.timing.step_ms(prefill_tokens, decoding, self.block_manager.usage)
         self.clock_ms += duration
         outputs: list[RequestOutput] = []
@@ -115,7 +149,7 @@ class MockerCore:
             seq = result.seq
             token_ids = seq.token_ids[-len(result.new_tokens) :]
             if result.finished:
-                del self._seeds[seq.request_id]
+                del self._requests[seq.request_id]
                 reason: FinishReason = "stop" if seq.finish_reason == "stop" else "length"
                 outputs.append(RequestOutput(seq.request_id, token_ids, reason, _usage(seq)))
             else:
@@ -137,9 +171,14 @@ class MockerCore:
 def _token(seed: int, position: int, vocab_size: int) -> int:
     """The token at `position`: a function of (seed, position) only, so the same seed gives
     the same tokens whatever else runs, and a preempted sequence regenerates nothing."""
+    return _bits(seed, position) % vocab_size
+
+
+def _bits(seed: int, position: int) -> int:
+    """64 pseudo-random bits for (seed, position)."""
     x = (seed + position * 0x9E3779B97F4A7C15) & _M64  # splitmix64's mixer
     x = ((x ^ (x >> 31)) * 0xBF58476D1CE4E5B9) & _M64
-    return (x ^ (x >> 29)) % vocab_size
+    return x ^ (x >> 29)
 
 
 def _usage(seq: Sequence) -> Usage:

@@ -80,6 +80,7 @@ class MockerEngine:
             backend="mocker",
             total_kv_blocks=self.config.num_blocks,
             max_num_seqs=self.config.max_num_seqs,
+            eos_token_ids=list(self.config.eos_token_ids),
         )
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()

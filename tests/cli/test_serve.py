@@ -10,6 +10,8 @@ from pathlib import Path
 import openai
 import pytest
 
+from backends.mocker.config import MockerConfig
+from backends.mocker.core import MockerCore
 from backends.registry import DEFAULT_BACKEND, DEFAULT_MODEL
 from tests.cli.procs import stop, wait_banner, wait_healthy, weir_process
 from tests.servers import free_port
@@ -57,6 +59,18 @@ def test_chat(served: Served) -> None:
     assert reply.usage is not None
     assert reply.usage.completion_tokens == 8
     assert reply.usage.prompt_tokens > 0
+
+
+def test_chat_without_max_tokens_ends_with_eos(served: Served) -> None:
+    # As the README's first request: no max_tokens, so only the mocker's EOS ends it early.
+    reply = served.client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=[{"role": "user", "content": "Hello!"}], seed=5
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == MockerCore(MockerConfig()).output_length(5)
+    content = reply.choices[0].message.content or ""
+    assert content and "<|im_end|>" not in content  # the EOS token is not text
 
 
 def test_completion(served: Served) -> None:

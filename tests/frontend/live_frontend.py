@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import uvicorn
 import uvloop
+from tokenizers import Tokenizer
 
 from backends.mocker.config import MockerConfig
 from backends.mocker.engine import MockerEngine
@@ -21,6 +22,7 @@ from orchestrator.frontend.server import create_app, uvicorn_config
 from orchestrator.runtime.discovery import MemoryDiscovery
 from orchestrator.runtime.engine import Engine
 from orchestrator.runtime.events import MemoryEventPlane
+from orchestrator.runtime.model_files import eos_token_ids
 from orchestrator.runtime.protocol import Instance
 from orchestrator.runtime.request_plane import LocalWorkerClient
 from orchestrator.runtime.worker_host import WorkerHost
@@ -53,8 +55,16 @@ class LiveFrontend:
 
 
 def mocker_factory(model_dir: Path, speedup: float = 1000.0) -> Callable[[], Engine]:
+    # The tokenizer's EOS ids, as `weir serve` gives the mocker: ordinary tokens never hit the
+    # ids the frontend stops on, so only the drawn length or max_tokens ends a request.
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     config = MockerConfig(
-        model_name=MODEL, model_path=str(model_dir), speedup=speedup, vocab_size=400, context_length=4096
+        model_name=MODEL,
+        model_path=str(model_dir),
+        speedup=speedup,
+        vocab_size=400,
+        context_length=4096,
+        eos_token_ids=eos_token_ids(model_dir, tokenizer),
     )
     return lambda: MockerEngine(config)
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections.abc import Callable
+
 import pytest
 
 from backends.mocker.config import MockerConfig
@@ -16,7 +20,12 @@ from orchestrator.runtime.protocol import (
 
 
 def request(
-    rid: str, prompt: int | list[int] = 100, max_tokens: int = 8, seed: int | None = None, **kw: object
+    rid: str,
+    prompt: int | list[int] = 100,
+    max_tokens: int = 8,
+    seed: int | None = None,
+    ignore_eos: bool = True,  # most tests here want exact lengths; the EOS tests pass False
+    **kw: object,
 ) -> WorkerRequest:
     tokens = list(range(1000, 1000 + prompt)) if isinstance(prompt, int) else prompt
     return WorkerRequest(
@@ -24,6 +33,7 @@ def request(
         token_ids=tokens,
         max_tokens=max_tokens,
         sampling=SamplingOptions(seed=seed),
+        ignore_eos=ignore_eos,
         **kw,  # type: ignore[arg-type]
     )
 
@@ -198,3 +208,71 @@ def test_load_report_counts() -> None:
     load = core.load()
     assert (load.active_requests, load.waiting_requests, load.total_blocks) == (2, 1, 16_384)
     assert load.active_blocks == 4 and load.queued_prefill_tokens == 100
+
+
+def test_output_lengths_follow_the_configured_distribution() -> None:
+    # 20,000 fixed seeds: the figures are the same on every run, the tolerance is for the draw.
+    seeds = range(20_000)
+    core = MockerCore(MockerConfig())
+    lognormal = [core.output_length(s) for s in seeds]
+    assert statistics.fmean(lognormal) == pytest.approx(200, rel=0.03)
+    assert statistics.median(lognormal) == pytest.approx(200 * math.exp(-(0.7**2) / 2), rel=0.05)
+    assert min(lognormal) >= 1
+    core = MockerCore(MockerConfig(output_length_mean=50, output_length_distribution="geometric"))
+    geometric = [core.output_length(s) for s in seeds]
+    assert statistics.fmean(geometric) == pytest.approx(50, rel=0.03)
+    # Memoryless: P(L = 1) = 1 / mean.
+    assert sum(n == 1 for n in geometric) / len(geometric) == pytest.approx(0.02, abs=0.005)
+    fixed = MockerCore(MockerConfig(output_length_mean=30, output_length_distribution="fixed"))
+    assert {fixed.output_length(s) for s in range(100)} == {30}
+
+
+def test_a_request_ends_with_eos_at_its_drawn_length() -> None:
+    core = MockerCore(MockerConfig(vocab_size=50, eos_token_ids=[7, 9]))
+    for seed in range(20):
+        core.add(request(f"r{seed}", max_tokens=10_000, seed=seed, ignore_eos=False))
+    outputs = drain(core)
+    for seed in range(20):
+        outs = outputs[f"r{seed}"]
+        tokens = tokens_of(outs)
+        assert len(tokens) == core.output_length(seed)
+        # EOS (the first id) ends it; random tokens never hit an EOS id before that.
+        assert tokens[-1] == 7 and not {7, 9} & set(tokens[:-1])
+        assert outs[-1].finish_reason == "stop"
+        assert outs[-1].usage is not None and outs[-1].usage.completion_tokens == len(tokens)
+
+
+def seed_drawing(core: MockerCore, accept: Callable[[int], bool]) -> int:
+    return next(s for s in range(10_000) if accept(core.output_length(s)))
+
+
+def test_max_tokens_and_min_tokens_bound_the_drawn_length() -> None:
+    core = MockerCore(MockerConfig())
+    long_seed = seed_drawing(core, lambda n: n > 50)
+    core.add(request("cut", max_tokens=50, seed=long_seed, ignore_eos=False))
+    outs = drain(core)["cut"]
+    assert len(tokens_of(outs)) == 50 and outs[-1].finish_reason == "length"
+    short_seed = seed_drawing(core, lambda n: n < 20)
+    core.add(request("held", max_tokens=100, seed=short_seed, ignore_eos=False, min_tokens=40))
+    outs = drain(core)["held"]
+    assert len(tokens_of(outs)) == 40 and outs[-1].finish_reason == "stop"
+
+
+def test_ignore_eos_runs_to_max_tokens() -> None:
+    core = MockerCore(MockerConfig())
+    short_seed = seed_drawing(core, lambda n: n < 20)
+    core.add(request("exact", max_tokens=100, seed=short_seed, ignore_eos=True))
+    outs = drain(core)["exact"]
+    tokens = tokens_of(outs)
+    assert len(tokens) == 100 and outs[-1].finish_reason == "length" and 0 not in tokens
+
+
+def test_the_length_depends_on_the_seed_only() -> None:
+    seed = 12345
+    alone = MockerCore(MockerConfig())
+    alone.add(request("a", seed=seed, max_tokens=10_000, ignore_eos=False))
+    busy = MockerCore(MockerConfig(max_num_batched_tokens=256))
+    for i in range(10):
+        busy.add(request(f"other{i}", prompt=300, max_tokens=30, ignore_eos=False))
+    busy.add(request("b", seed=seed, max_tokens=10_000, ignore_eos=False))
+    assert tokens_of(drain(alone)["a"]) == tokens_of(drain(busy)["b"])

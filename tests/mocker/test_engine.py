@@ -23,6 +23,7 @@ def request(rid: str, prompt: int = 100, max_tokens: int = 8, seed: int | None =
         token_ids=list(range(3000, 3000 + prompt)),
         max_tokens=max_tokens,
         sampling=SamplingOptions(seed=seed),
+        ignore_eos=True,  # these tests want exact lengths; tests/mocker/test_core.py covers EOS
     )
 
 

@@ -21,7 +21,7 @@ LEASE_TTL = 2.0  # etcd's smallest lease with its default election timeout
 
 def planes(etcd_url: str, nats_url: str, prefix: str) -> list[str]:
     """The cluster-plane flags, in a namespace of this test's own."""
-    return ["--etcd", etcd_url, "--nats", nats_url, "--namespace", f"{prefix}-{time.monotonic_ns()}"]
+    return ["--etcd", etcd_url, "--nats", nats_url, "--weir-namespace", f"{prefix}-{time.monotonic_ns()}"]
 
 
 def metric(text: str, name: str, labels: str = "") -> float:

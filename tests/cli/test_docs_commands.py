@@ -5,7 +5,8 @@ follow. Old spellings (hidden aliases) count as failures too: the docs show the 
 Command lines come from fenced shell blocks (continuations, `$ ` prompts, `&&`, trailing `&`,
 comments, VAR=value prefixes) and from inline code spans. Placeholders: `<anything>`, an
 upper-case word as the value of a typed flag (`--replicas N`: a valid value stands in),
-`[optional parts]`, `...`, and `a|b` or `a/b` or COMMAND in the command's place."""
+`[optional parts]`, `...`, `a|b` or `a/b` or COMMAND in the command's place, and a last flag
+without its value (prose mentioning `weir worker --backend`)."""
 
 from __future__ import annotations
 
@@ -141,16 +142,20 @@ def _parse(command: str | None, rest: list[str]) -> str | None:
 
 
 def _fill_placeholders(parser: argparse.ArgumentParser, words: list[str]) -> list[str]:
-    """An upper-case placeholder given to a flag with a type or choices becomes a valid value."""
+    """An upper-case placeholder given to a flag with a type or choices becomes a valid value,
+    and so does the missing value of a last flag."""
+    last = parser._option_string_actions.get(words[-1]) if words else None
+    if last is not None and last.nargs is None:
+        words = [*words, "VALUE"]
     filled = list(words)
     for i, word in enumerate(words):
         flag, equals, value = word.partition("=")
         action = parser._option_string_actions.get(flag)
-        if action is None or action.nargs is not None or (action.type is None and action.choices is None):
+        if action is None or action.nargs is not None:
             continue
         at = i if equals else i + 1
         value = value if equals else (words[i + 1] if i + 1 < len(words) else "")
-        if PLACEHOLDER_VALUE.match(value):
+        if PLACEHOLDER_VALUE.match(value) and (action.type is not None or action.choices is not None):
             sample = str(next(iter(action.choices))) if action.choices is not None else "1"
             filled[at] = f"{flag}={sample}" if equals else sample
     return filled
@@ -217,6 +222,8 @@ def test_extraction_handles_shell_and_inline_forms() -> None:
         "weir COMMAND --help",
         "weir router --port 9100 [--router-mode kv ...]",
         "weir --version",
+        "weir worker --backend",
+        "weir serve --port",
     ],
 )
 def test_placeholders_parse(command_line: str) -> None:

@@ -58,7 +58,7 @@ def test_chat_with_a_tokenizer_only_the_worker_can_read(etcd_url: str, nats_url:
     try:
         assert not (REPO / "tok").exists()  # the frontend's working directory has no such path
         log = tmp_path / "frontend.log"
-        argv = ["frontend", "--etcd", etcd_url, "--nats", nats_url, "--namespace", namespace]
+        argv = ["frontend", "--etcd", etcd_url, "--nats", nats_url, "--weir-namespace", namespace]
         with weir_process(*argv, "--port", str(port), log=log, env={"WEIR_CACHE_DIR": str(cache)}) as proc:
             base_url = f"http://127.0.0.1:{port}"
             wait_healthy(base_url, proc, log, timeout=60)

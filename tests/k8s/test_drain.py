@@ -95,7 +95,7 @@ def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
 def cluster(etcd_url: str, nats_url: str, tmp_path: Path) -> Iterator[tuple[str, str]]:
     """One mocker worker and one frontend as separate processes; yields (namespace, API URL)."""
     namespace = f"drain-{os.getpid()}"
-    planes = ["--namespace", namespace, "--etcd", etcd_url, "--nats", nats_url]
+    planes = ["--weir-namespace", namespace, "--etcd", etcd_url, "--nats", nats_url]
     api_port, worker_port, metrics_port = free_port(), free_port(), free_port()
     worker = _spawn(["worker", "--backend", "mocker", "--role", "aggregated",
                      "--model", "smollm2-135m-instruct", "--served-model-name", "mock-model",

@@ -94,7 +94,7 @@ weir.dev/backend: {{ .backend }}
 {{- end -}}
 
 {{/* A pool's size: `replicas` at install; on upgrade, with keepScaledReplicas, the size running
-now, so `helm upgrade` does not undo `weir scale`, the planner or an HPA. lookup finds nothing
+now, so `helm upgrade` does not undo `weir scale` or an HPA. lookup finds nothing
 under `helm template`, which therefore shows `replicas`. Args: (dict "root" $ "pool" $p "name" $name) */}}
 {{- define "weir.poolReplicas" -}}
 {{- $live := dict -}}

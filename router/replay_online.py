@@ -10,7 +10,7 @@ frontend's business, so the per-worker spread is not reported here.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import httpx
 import msgspec
@@ -41,8 +41,15 @@ _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 
 
 async def replay_online(
-    url: str, trace: Sequence[TraceRequest], tokens: TraceTokens, model: str | None, speedup: float = 1.0
+    url: str,
+    trace: Sequence[TraceRequest],
+    tokens: TraceTokens,
+    model: str | None,
+    speedup: float = 1.0,
+    on_finish: Callable[[RequestRecord], None] | None = None,
 ) -> list[RequestRecord]:
+    """Replay `trace` against the frontend at `url`; `on_finish` hears of each request once,
+    when it finishes or fails."""
     if speedup <= 0:
         raise ValueError("speedup must be positive")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
@@ -53,13 +60,20 @@ async def replay_online(
             model = str(listing.json()["data"][0]["id"])
         loop = asyncio.get_running_loop()
         start = loop.time()
+
+        async def send(request: TraceRequest) -> RequestRecord:
+            record = await _send(client, model, request, tokens, start)
+            if on_finish is not None:
+                on_finish(record)
+            return record
+
         first_ms = trace[0].timestamp_ms if trace else 0.0
         tasks: list[asyncio.Task[RequestRecord]] = []
         for request in trace:
             delay = (request.timestamp_ms - first_ms) / speedup / 1e3 - (loop.time() - start)
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_send(client, model, request, tokens, start)))
+            tasks.append(asyncio.create_task(send(request)))
         return list(await asyncio.gather(*tasks))
 
 

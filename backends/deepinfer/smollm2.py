@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from orchestrator.runtime.progress import progress_bar
+
 logger = logging.getLogger(__name__)
 
 MODEL_NAME = "smollm2-135m-instruct"
@@ -76,7 +78,8 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     """Return the converted model directory `<cache root>/models/smollm2-135m-instruct`.
 
     The cache root is `cache_dir`, else `$WEIR_CACHE_DIR`, else `~/.cache/weir`. The first call
-    converts (about 10-20 s); later calls only check the marker file. Conversion writes into a
+    converts (about 10-30 s, with a progress bar when stderr is a terminal); later calls only
+    check the marker file. Conversion writes into a
     temporary sibling directory and renames it into place, so a crash or a concurrent
     converter never leaves a half-written model behind."""
     target = (cache_dir or default_cache_root()) / "models" / MODEL_NAME
@@ -126,7 +129,7 @@ def convert_gguf(source: Path, out_dir: Path) -> None:
     if meta.get("general.architecture") != "llama":
         raise ValueError(f"{source}: expected a llama GGUF, got {meta.get('general.architecture')!r}")
     config = _llama_config(meta, has_output=any(t.name == "output.weight" for t in reader.tensors))
-    _write_weights(reader, config, out_dir / "model.safetensors")
+    _write_weights(reader, config, out_dir / "model.safetensors", source.name)
     _write_tokenizer(meta, out_dir)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {
@@ -182,19 +185,25 @@ def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _write_weights(reader: Any, config: dict[str, Any], path: Path) -> None:
+def _write_weights(reader: Any, config: dict[str, Any], path: Path, label: str) -> None:
     from gguf import dequantize
     from safetensors.numpy import save_file
 
     tensors: dict[str, np.ndarray] = {}
-    for tensor in reader.tensors:
-        weight = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-        if ".attn_q." in tensor.name:
-            weight = _unpermute(weight, config["num_attention_heads"])
-        elif ".attn_k." in tensor.name:
-            weight = _unpermute(weight, config["num_key_value_heads"])
-        tensors[_hf_name(tensor.name)] = np.ascontiguousarray(weight)
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    # The conversion is the slow part of a first `weir serve`: show it to a person watching.
+    # One step per tensor, and a last one for writing the file, which takes seconds too.
+    with progress_bar(len(reader.tensors) + 1, f"converting {label}", "tensor") as bar:
+        for tensor in reader.tensors:
+            weight = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+            if ".attn_q." in tensor.name:
+                weight = _unpermute(weight, config["num_attention_heads"])
+            elif ".attn_k." in tensor.name:
+                weight = _unpermute(weight, config["num_key_value_heads"])
+            tensors[_hf_name(tensor.name)] = np.ascontiguousarray(weight)
+            bar.update()
+        bar.set_postfix_str(f"writing {path.name}")
+        save_file(tensors, str(path), metadata={"format": "pt"})
+        bar.update()
 
 
 def _write_tokenizer(meta: dict[str, Any], out_dir: Path) -> None:

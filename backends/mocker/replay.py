@@ -14,7 +14,7 @@ package stays below the backends and imports none of them.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import count
 
@@ -70,8 +70,13 @@ class OfflineReplay:
         self._seq = count()
         self._by_id = {w.worker_id: w for w in self.workers}
         self._records: dict[str, RequestRecord] = {}
+        self._on_finish: Callable[[RequestRecord], None] | None = None
 
-    def run(self, trace: Sequence[TraceRequest]) -> list[RequestRecord]:
+    def run(
+        self, trace: Sequence[TraceRequest], on_finish: Callable[[RequestRecord], None] | None = None
+    ) -> list[RequestRecord]:
+        """Replay `trace`; `on_finish` hears of each request once, when it finishes or fails."""
+        self._on_finish = on_finish
         for w in self.workers:
             self.router.add_worker(w.worker_id, total_blocks=self.config.num_blocks)
             self.router.apply_kv_snapshot(replace(w.core.kv_snapshot(), worker_id=w.worker_id))
@@ -117,6 +122,8 @@ class OfflineReplay:
         except ValueError as exc:
             record.error = str(exc)
             self.router.on_finish(worker.worker_id, request_id)
+            if self._on_finish is not None:
+                self._on_finish(record)
             return
         if not worker.busy:
             self._start_step(now, worker)
@@ -140,6 +147,8 @@ class OfflineReplay:
                 if out.usage is not None:
                     record.cached_tokens = out.usage.cached_tokens
                 self.router.on_finish(worker.worker_id, out.request_id)
+                if self._on_finish is not None:
+                    self._on_finish(record)
         batches = [replace(b, worker_id=worker.worker_id) for b in worker.core.take_kv_events()]
         if batches:
             if self.kv_event_delay_ms > 0:

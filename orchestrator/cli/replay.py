@@ -14,8 +14,10 @@ import asyncio
 import logging
 import sys
 import time
+from collections.abc import Callable
 
 from orchestrator.cli.options import add_old_spelling, add_router_arguments, router_params
+from orchestrator.runtime.progress import progress_bar
 from router.replay import RequestRecord, TraceRequest, TraceTokens, read_trace, report, summarize
 from router.router import MODES
 
@@ -82,22 +84,32 @@ def run(args: argparse.Namespace) -> int:
         return 2
     tokens = TraceTokens(args.trace_block_size, args.vocab_size)
     started = time.perf_counter()
-    if args.url:
-        from router.replay_online import replay_online
+    with progress_bar(len(trace), "replay", "req") as bar:
 
-        records = asyncio.run(
-            replay_online(args.url, trace, tokens, args.served_model_name, args.trace_speedup)
-        )
-        label = "frontend"
-    else:
-        records = _offline(args, trace, tokens)
-        label = args.router_mode if args.router_mode != "kv" or not args.no_kv_events else "kv-approx"
+        def finished(_: RequestRecord) -> None:
+            bar.update()
+
+        if args.url:
+            from router.replay_online import replay_online
+
+            records = asyncio.run(
+                replay_online(args.url, trace, tokens, args.served_model_name, args.trace_speedup, finished)
+            )
+            label = "frontend"
+        else:
+            records = _offline(args, trace, tokens, finished)
+            label = args.router_mode if args.router_mode != "kv" or not args.no_kv_events else "kv-approx"
     print(f"replayed {len(trace)} requests in {time.perf_counter() - started:.1f} s wall", file=sys.stderr)
     report(summarize(records, label), args.output_file)
     return 0
 
 
-def _offline(args: argparse.Namespace, trace: list[TraceRequest], tokens: TraceTokens) -> list[RequestRecord]:
+def _offline(
+    args: argparse.Namespace,
+    trace: list[TraceRequest],
+    tokens: TraceTokens,
+    on_finish: Callable[[RequestRecord], None],
+) -> list[RequestRecord]:
     from backends.mocker.config import MockerConfig
     from backends.mocker.replay import OfflineReplay, VirtualClock
     from router.router import make_router
@@ -111,4 +123,5 @@ def _offline(args: argparse.Namespace, trace: list[TraceRequest], tokens: TraceT
         vocab_size=args.vocab_size,
         context_length=max(longest, MockerConfig().context_length),
     )
-    return OfflineReplay(router, config, args.workers, tokens, args.kv_event_delay_ms, clock).run(trace)
+    replay = OfflineReplay(router, config, args.workers, tokens, args.kv_event_delay_ms, clock)
+    return replay.run(trace, on_finish)

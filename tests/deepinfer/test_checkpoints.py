@@ -81,3 +81,16 @@ def test_smollm2_conversion_is_idempotent(smollm2_dir: Path) -> None:
     before = {p.name: p.stat().st_mtime_ns for p in smollm2_dir.iterdir()}
     assert ensure_default_model(smollm2_dir.parent.parent) == smollm2_dir
     assert {p.name: p.stat().st_mtime_ns for p in smollm2_dir.iterdir()} == before
+
+
+@pytest.mark.slow
+def test_a_first_conversion_is_silent_when_stderr_is_not_a_terminal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        gguf_path()
+    except FileNotFoundError as exc:  # the package is an optional install (--no-deps)
+        pytest.skip(str(exc))
+    ensure_default_model(tmp_path)  # converts: the cache is new
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", "")

@@ -9,10 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from backends.mocker.config import MockerConfig
+from backends.mocker.replay import OfflineReplay
 from orchestrator.cli.main import main as weir
 from orchestrator.runtime.hashing import block_hashes
 from router.replay import RequestRecord, TraceRequest, TraceTokens, read_trace, summarize
 from router.replay_online import replay_online
+from router.router import make_router
 from tests.frontend.live_frontend import live_frontend
 from tests.frontend.tokenizer_dirs import build_chatml
 
@@ -101,10 +104,24 @@ def test_offline_replay_reports_bad_lines_and_block_size_mismatch(
         capsys, str(trace), "--workers", "2", "--trace-block-size", "16", "--block-size", "4"
     )
     assert "t.jsonl:2: malformed trace line skipped" in err
+    # stderr is not a TTY here: the two lines and no progress bar
+    assert len(err.splitlines()) == 2 and err.splitlines()[1].startswith("replayed 2 requests in ")
     assert figures["completed"] == 2
     # the second request shares 32 of its 40 prompt tokens with the first: 32 of 80 in all
     assert figures["hit_rate"] == 0.4
     assert weir(["replay", str(trace), "--trace-block-size", "16", "--block-size", "5"]) == 2
+
+
+def test_offline_replay_reports_each_request_once_as_it_ends() -> None:
+    config = MockerConfig(num_blocks=16, block_size=16)  # 256 tokens of KV per worker
+    trace = [TraceRequest(i, i * 10.0, 64, 3, (i,)) for i in range(5)]
+    trace.append(TraceRequest(5, 60.0, 512, 3, (5, 6, 7, 8)))  # more than a worker's KV: an error
+    seen: list[RequestRecord] = []
+    tokens = TraceTokens(trace_block_size=128, vocab_size=1000)
+    records = OfflineReplay(make_router("round-robin", 16), config, 2, tokens).run(trace, seen.append)
+    assert sorted(map(id, seen)) == sorted(map(id, records)) and len(records) == 6
+    assert [r.error is not None for r in records].count(True) == 1
+    assert all(r.finish_ms is not None for r in seen if r.error is None)  # reported once finished
 
 
 def test_online_replay_against_a_live_frontend(tmp_path: Path) -> None:
@@ -113,7 +130,9 @@ def test_online_replay_against_a_live_frontend(tmp_path: Path) -> None:
     trace = [TraceRequest(i, i * 20.0, 192, 4, (i % 2, 10 + i % 3, 100 + i)) for i in range(8)]
     tokens = TraceTokens(trace_block_size=64, vocab_size=300)
     with live_frontend(build_chatml(tmp_path / "tok"), num_workers=2, router_mode="kv") as live:
-        records = asyncio.run(replay_online(live.url, trace, tokens, None, speedup=2.0))
+        seen: list[RequestRecord] = []
+        records = asyncio.run(replay_online(live.url, trace, tokens, None, 2.0, seen.append))
+    assert sorted(map(id, seen)) == sorted(map(id, records))
     figures = summarize(records, "frontend").figures
     assert figures["completed"] == 8, [r.error for r in records]
     assert all(r.output_tokens == 4 for r in records)

@@ -79,9 +79,8 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
 
     The cache root is `cache_dir`, else `$WEIR_CACHE_DIR`, else `~/.cache/weir`. The first call
     converts (about 10-30 s, with a progress bar when stderr is a terminal); later calls only
-    check the marker file. Conversion writes into a
-    temporary sibling directory and renames it into place, so a crash or a concurrent
-    converter never leaves a half-written model behind."""
+    check the marker file. Conversion writes into a temporary sibling directory and renames it
+    into place, so a crash or a concurrent converter never leaves a half-written model behind."""
     target = (cache_dir or default_cache_root()) / "models" / MODEL_NAME
     source = gguf_path()
     if _is_complete(target, source):

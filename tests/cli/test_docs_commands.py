@@ -105,7 +105,7 @@ def parse_error(command_line: str) -> str | None:
     if len(words) == 1:
         return None
     if words[1].startswith("-"):  # weir's own options
-        return _parse(None, words[1:])
+        return _parse(None, words[1:], env)
     named = re.split(r"[|/]", words[1])
     commands = sorted(COMMANDS) if named == ["COMMAND"] else named
     for command in commands:
@@ -114,21 +114,27 @@ def parse_error(command_line: str) -> str | None:
         rest = words[2:]
         if not rest and not env:
             continue  # a mention of the command itself
-        with mock.patch.dict(os.environ, env):
-            error = _parse(command, rest)
+        error = _parse(command, rest, env)
         if error:
             return error
     return None
 
 
-def _parse(command: str | None, rest: list[str]) -> str | None:
-    """Parse `weir COMMAND REST`, or `weir REST` without a command."""
+def _parse(command: str | None, rest: list[str], env: dict[str, str]) -> str | None:
+    """Parse `weir COMMAND REST`, or `weir REST` without a command, with the line's `env`
+    and none of this shell's WEIR_ variables (CI's WEIR_HELM, say)."""
+    ambient = {name: value for name, value in os.environ.items() if not name.startswith("WEIR_")}
+    with mock.patch.dict(os.environ, ambient | env, clear=True):
+        return _parse_in_environment(command, rest, env)
+
+
+def _parse_in_environment(command: str | None, rest: list[str], env: dict[str, str]) -> str | None:
     top = build_parser(only=command or "")
     sub = top
     if command is not None:
         sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
     variables = set(NAMED.findall(" ".join((a.help or "") for a in sub._actions)))
-    unknown = sorted(name for name in os.environ if name.startswith("WEIR_") and name not in variables)
+    unknown = sorted(name for name in env if name not in variables)
     if unknown:
         return f"{', '.join(unknown)} is not one of its environment variables"
     stdout, stderr = io.StringIO(), io.StringIO()

@@ -70,6 +70,16 @@ def _in_cluster(args: argparse.Namespace) -> bool:
     return not (args.kubeconfig or args.context) and "KUBERNETES_SERVICE_HOST" in os.environ
 
 
+def kubernetes_configured(args: argparse.Namespace) -> bool:
+    """Whether there is any Kubernetes configuration to use: --kubeconfig or --context, a pod's
+    service account, or a kubeconfig file where the client looks ($KUBECONFIG's paths, else
+    ~/.kube/config). False means "not set up here", not "set up and failing"."""
+    if args.kubeconfig or args.context or _in_cluster(args):
+        return True
+    paths = os.environ.get("KUBECONFIG") or "~/.kube/config"
+    return any(Path(p).expanduser().is_file() for p in paths.split(os.pathsep) if p)
+
+
 def api_client(args: argparse.Namespace) -> client.ApiClient:
     configuration = client.Configuration()
     try:

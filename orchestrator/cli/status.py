@@ -4,6 +4,10 @@ the workers registered in discovery with their load.
 Load comes from the workers' own load reports on NATS, heard for `--load-window` seconds
 (they publish at least once a second); without NATS the load columns stay empty. Each part
 is shown even when the other fails; the exit code is then the first failure's.
+
+Without Kubernetes (no kubeconfig and not in a pod, or `--no-kubernetes`), discovery named by
+`--etcd` is all there is to show, and that is no failure: a cluster of `weir worker`s on
+plain hosts has no pools. A kubeconfig that does not work still is one.
 """
 
 from __future__ import annotations
@@ -16,7 +20,15 @@ from dataclasses import asdict, dataclass, field
 
 import msgspec
 
-from orchestrator.cli.kube import OperatorError, add_cluster_args, api_client, namespace
+from orchestrator.cli.kube import (
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    OperatorError,
+    add_cluster_args,
+    api_client,
+    kubernetes_configured,
+    namespace,
+)
 from orchestrator.cli.planes import Planes, add_plane_args, from_flags, from_release
 from orchestrator.cli.pools import Pool, list_pools
 from orchestrator.cli.workers import address_host, collect_load, list_workers, worker_pods
@@ -32,6 +44,7 @@ class Report:
     planes: Planes | None = None
     workers: list[dict[str, object]] = field(default_factory=list)
     errors: list[OperatorError] = field(default_factory=list)
+    kubernetes_skipped: str | None = None  # why Kubernetes was not asked, when it was not
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -44,12 +57,21 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="seconds to listen for load reports on NATS (0: do not listen)",
     )
     parser.add_argument("--no-discovery", action="store_true", help="show the Kubernetes pools only")
+    parser.add_argument(
+        "--no-kubernetes",
+        action="store_true",
+        help="show discovery (--etcd) only, without asking Kubernetes for pools (the default "
+        "when there is no kubeconfig and this is not a pod)",
+    )
     add_cluster_args(parser)
     add_plane_args(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.no_kubernetes and args.no_discovery:
+        print("weir status: --no-kubernetes and --no-discovery leave nothing to show", file=sys.stderr)
+        return EXIT_USAGE
     report = gather(args)
     if args.output == "json":
         print(json.dumps(to_json(report), indent=2))
@@ -63,16 +85,19 @@ def run(args: argparse.Namespace) -> int:
 def gather(args: argparse.Namespace) -> Report:
     report = Report(namespace=namespace(args), release=args.release)
     pods: dict[str, str] = {}
-    try:
-        with api_client(args) as api:
-            report.pools = list_pools(api, report.namespace, args.release)
-            if not args.no_discovery:
-                report.planes = from_flags(args) or from_release(api, report.namespace, args)
-                pods = worker_pods(api, report.namespace, args.release)
-    except OperatorError as exc:
-        report.errors.append(exc)
-        # Kubernetes is away, but discovery named by flags can still be read.
-        report.planes = None if args.no_discovery else from_flags(args)
+    # --no-discovery asks for pools only: then Kubernetes not being there is the failure it was.
+    if args.no_kubernetes or not (args.no_discovery or kubernetes_configured(args)):
+        report.kubernetes_skipped = (
+            "skipped (--no-kubernetes)"
+            if args.no_kubernetes
+            else "not configured (no kubeconfig, not in a pod)"
+        )
+        report.planes = from_flags(args)
+        if report.planes is None:
+            message = f"Kubernetes {report.kubernetes_skipped}: pass --etcd URL to read discovery"
+            report.errors.append(OperatorError(message, EXIT_UNREACHABLE))
+    else:
+        _gather_kubernetes(args, report, pods)
     if report.planes is not None:
         try:
             workers, loads = asyncio.run(_discovery(report.planes, args.load_window))
@@ -81,6 +106,20 @@ def gather(args: argparse.Namespace) -> Report:
         else:
             report.workers = [_worker_row(w, loads.get(w.instance_id), pods) for w in workers]
     return report
+
+
+def _gather_kubernetes(args: argparse.Namespace, report: Report, pods: dict[str, str]) -> None:
+    """Pools, then (unless --no-discovery) the planes and the worker pods' names."""
+    try:
+        with api_client(args) as api:
+            report.pools = list_pools(api, report.namespace, args.release)
+            if not args.no_discovery:
+                report.planes = from_flags(args) or from_release(api, report.namespace, args)
+                pods.update(worker_pods(api, report.namespace, args.release))
+    except OperatorError as exc:
+        report.errors.append(exc)
+        # Kubernetes is away, but discovery named by flags can still be read.
+        report.planes = None if args.no_discovery else from_flags(args)
 
 
 async def _discovery(planes: Planes, window_s: float) -> tuple[list[Instance], dict[str, LoadReport]]:
@@ -118,18 +157,24 @@ def to_json(report: Report) -> dict[str, object]:
         "discovery": asdict(planes) if planes else None,
         "workers": report.workers,
         "errors": [{"message": str(e), "exit_code": e.exit_code} for e in report.errors],
+        "kubernetes_skipped": report.kubernetes_skipped,
     }
 
 
 def to_table(report: Report) -> str:
-    lines = [
-        f"Pools in namespace {report.namespace}" + (f", release {report.release}" if report.release else "")
-    ]
-    pool_rows = [
-        [p.release, p.name, p.role, p.backend, str(p.desired), str(p.ready), p.deployment]
-        for p in report.pools
-    ]
-    lines += _columns(["RELEASE", "POOL", "ROLE", "BACKEND", "DESIRED", "READY", "DEPLOYMENT"], pool_rows)
+    if report.kubernetes_skipped is not None:
+        lines = [f"Pools: not shown, Kubernetes {report.kubernetes_skipped}"]
+    else:
+        lines = [
+            f"Pools in namespace {report.namespace}"
+            + (f", release {report.release}" if report.release else "")
+        ]
+        pool_rows = [
+            [p.release, p.name, p.role, p.backend, str(p.desired), str(p.ready), p.deployment]
+            for p in report.pools
+        ]
+        header = ["RELEASE", "POOL", "ROLE", "BACKEND", "DESIRED", "READY", "DEPLOYMENT"]
+        lines += _columns(header, pool_rows)
     if report.planes is None:
         return "\n".join(lines)
     planes = report.planes

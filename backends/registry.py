@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 from pathlib import Path
 from typing import Any, cast
 
@@ -37,22 +36,22 @@ def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--backend",
         choices=BACKENDS,
-        default=os.environ.get("WEIR_BACKEND") or DEFAULT_BACKEND,
-        help=f"token engine (env WEIR_BACKEND; default {DEFAULT_BACKEND})",
+        default=DEFAULT_BACKEND,
+        help=f"token engine (default {DEFAULT_BACKEND})",
     )
     group.add_argument(
         "--model",
-        default=os.environ.get("WEIR_MODEL") or DEFAULT_MODEL,
+        default=DEFAULT_MODEL,
         metavar="DIR_OR_NAME",
         help="a Hugging Face model directory (config.json, tokenizer.json, tokenizer_config.json); "
         f"the mocker needs only the tokenizer files. {DEFAULT_MODEL!r} is the bundled default, "
-        f"converted once into ~/.cache/weir (env WEIR_MODEL; default {DEFAULT_MODEL})",
+        f"converted once into ~/.cache/weir (default {DEFAULT_MODEL})",
     )
     group.add_argument(
         "--served-model-name",
-        default=os.environ.get("WEIR_SERVED_MODEL_NAME") or None,
+        default=None,
         metavar="NAME",
-        help="the model name clients ask for (env WEIR_SERVED_MODEL_NAME; default: the directory's name)",
+        help="the model name clients ask for (default: the directory's name)",
     )
     for flag, help_text in _SHARED_FLAGS:
         group.add_argument(flag, type=int, default=None, help=help_text)

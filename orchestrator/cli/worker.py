@@ -17,7 +17,6 @@ from orchestrator.cli.options import (
     add_cluster_planes,
     add_log_level,
     add_service_arguments,
-    env_default,
     setup_logging,
 )
 from orchestrator.runtime.discovery import make_discovery
@@ -30,9 +29,9 @@ from router.table import ROUTABLE_ROLES
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--role",
-        default=env_default("WEIR_ROLE", "aggregated"),
+        default="aggregated",
         help=f"the worker's role; routers serve only {' | '.join(ROUTABLE_ROLES)} workers, prefill "
-        "and decode are not routed yet (env WEIR_ROLE; default aggregated)",
+        "and decode are not routed yet (default aggregated)",
     )
     add_backend_arguments(parser)
     add_service_arguments(parser, "worker", "WEIR_WORKER", 0)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 
 import msgspec
@@ -136,7 +135,6 @@ async def test_replicas_share_inflight_load(plane_kind: str, request: pytest.Fix
     for s in subs:
         await s.start()
     try:
-        await asyncio.sleep(0.05 if plane_kind == "nats" else 0)  # NATS subscriptions settle
         one.select(RouteRequest("x", 40, block_hashes(list(range(40)), BS)))
         await eventually(lambda: two.workers["a"].inflight_blocks == 10)
         assert two.workers["a"].inflight_requests == 1

@@ -14,6 +14,7 @@ from orchestrator.runtime.events import EventPlane, MemoryEventPlane, Subscripti
 from orchestrator.runtime.events.base import subject_matches
 from orchestrator.runtime.protocol import subject
 from tests.servers import find_binary, free_port, wait_for_port
+from tests.waiting import eventually
 
 
 @pytest.fixture(params=["memory", "nats"])
@@ -60,8 +61,27 @@ async def test_subjects_are_separate_and_wildcards_match(plane: EventPlane) -> N
         await asyncio.wait_for(anext(only_load), 0.2)
 
 
+async def test_a_subscription_is_live_when_subscribe_returns(nats_url: str) -> None:
+    # Subscriber and publisher on separate connections, as a router and a worker are: only
+    # the server's order relates the SUB and the PUB. Repeated, since a miss is a race.
+    ns = unique_namespace()
+    subscriber, publisher = make_event_plane(nats_url), make_event_plane(nats_url)
+    try:
+        await publisher.publish(subject(ns, "m", "load"), b"connects the publisher")
+        for i in range(50):
+            fresh = f"weir.{ns}.m{i}.load"
+            sub = await subscriber.subscribe(fresh)
+            await publisher.publish(fresh, b"first")
+            assert await receive(sub, 1) == [b"first"]
+            await sub.close()
+    finally:
+        await subscriber.close()
+        await publisher.close()
+
+
 async def test_close_ends_iteration(plane: EventPlane) -> None:
-    sub = await plane.subscribe(subject(unique_namespace(), "m", "load"))
+    topic = subject(unique_namespace(), "m", "load")
+    sub = await plane.subscribe(topic)
     got: list[bytes] = []
 
     async def drain() -> None:
@@ -69,10 +89,13 @@ async def test_close_ends_iteration(plane: EventPlane) -> None:
             got.append(message)
 
     task = asyncio.create_task(drain())
-    await asyncio.sleep(0.05)
+    await plane.publish(topic, b"one")
+    # The consumer appends and, without yielding, waits for the next message: once we see
+    # the append, close() ends an iteration in progress.
+    await eventually(lambda: got == [b"one"])
     await sub.close()
     await asyncio.wait_for(task, 5)
-    assert got == []
+    assert got == [b"one"]
 
 
 async def test_slow_memory_subscriber_loses_oldest_messages_not_the_publisher() -> None:

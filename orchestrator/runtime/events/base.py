@@ -30,7 +30,9 @@ class EventPlane(ABC):
     async def publish(self, subject: str, data: bytes) -> None: ...
 
     @abstractmethod
-    async def subscribe(self, subject: str) -> Subscription: ...
+    async def subscribe(self, subject: str) -> Subscription:
+        """Messages on `subject` (wildcards allowed). Live on return while the plane is
+        reachable: what anyone publishes afterwards is delivered to it."""
 
     @abstractmethod
     async def close(self) -> None: ...

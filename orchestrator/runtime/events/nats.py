@@ -100,10 +100,20 @@ class NatsSubscription(Subscription):
         try:
             nc = await self._plane.connection()
             self._sub = await nc.subscribe(self.subject)
-            return True
         except (TimeoutError, NatsError, OSError) as exc:
             self._plane.warn(f"NATS subscribe {self.subject!r} failed ({exc!r}); retrying")
             return False
+        # subscribe() only queues the SUB; once the server answers a PING sent after it, it has
+        # the SUB, so whatever anyone publishes from then on reaches us. nats-py (2.16) writes
+        # flush()'s PING straight to the socket, ahead of its pending buffer, so the first PONG
+        # proves nothing; its flusher has written the SUB by then, and a second PING follows it.
+        # If NATS dropped meanwhile, nats-py re-subscribes on reconnect: the subscription stands.
+        try:
+            for _ in range(2):
+                await nc.flush(timeout=2)
+        except (TimeoutError, NatsError, OSError) as exc:
+            self._plane.warn(f"NATS subscribe {self.subject!r}: no answer yet ({exc!r})")
+        return True
 
     async def _start(self) -> NatsSub:
         delay = 0.1

@@ -12,7 +12,7 @@ import httpx
 import msgspec
 import pytest
 
-from orchestrator.runtime.discovery import Discovery, drain_key, drained_key, make_discovery
+from orchestrator.runtime.discovery import Discovery, KeyEvent, drain_key, drained_key, make_discovery
 from orchestrator.runtime.events import EventPlane, Subscription, make_event_plane
 from orchestrator.runtime.health import HealthServer
 from orchestrator.runtime.protocol import KvEventBatch, LoadReport, TokenDelta, WorkerRequest, subject
@@ -24,6 +24,7 @@ from orchestrator.runtime.request_plane import (
 )
 from orchestrator.runtime.worker_host import WorkerHost
 from tests.runtime.fake_engine import FakeEngine
+from tests.waiting import eventually
 
 T = TypeVar("T")
 
@@ -90,22 +91,21 @@ async def test_closing_the_stream_cancels_the_engine_request(host: WorkerHost) -
     stream = TcpWorkerClient(client, host.address).generate(request("long", max_tokens=10_000))
     assert (await anext(stream)).token_ids == [3]
     await stream.aclose()
-    for _ in range(200):
-        if "long" in engine.cancelled:
-            break
-        await asyncio.sleep(0.01)
+    await eventually(lambda: "long" in engine.cancelled)
     assert engine.cancelled == ["long"] and not engine.active and host.in_flight == 0
     await client.close()
 
 
 async def test_frames_that_arrived_together_come_out_as_one_delta(host: WorkerHost) -> None:
     client = RequestPlaneClient()
-    stream = TcpWorkerClient(client, host.address).generate(request("burst", max_tokens=20))
+    worker = TcpWorkerClient(client, host.address)
+    stream = worker.generate(request("burst", max_tokens=20))
     first = await anext(stream)
     assert first.token_ids == [3]
-    while host.in_flight:  # the worker finishes while we do not read
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.05)  # and its last frames cross the loopback
+    await eventually(lambda: host.in_flight == 0)  # the worker finishes while we do not read
+    # A later answer on the same connection comes after the frames already sent: once it is
+    # here, so are they.
+    await worker.kv_snapshot()
     rest = await collect(stream)
     assert len(rest) == 1
     assert rest[0].token_ids == list(range(4, 23))
@@ -201,7 +201,7 @@ async def test_drain_over_real_etcd_and_nats(etcd_url: str, nats_url: str) -> No
         assert not (await asyncio.wait_for(anext(watch), 5)).instance.draining
 
         in_flight = asyncio.create_task(collect(worker.generate(request("slow", max_tokens=50))))
-        await asyncio.sleep(0.1)
+        await eventually(lambda: host.in_flight == 1)
         await operator.put(drain_key("w1"), b"")  # what `weir drain` writes
         update = await asyncio.wait_for(anext(watch), 5)
         assert update.kind == "put" and update.instance.draining
@@ -213,11 +213,9 @@ async def test_drain_over_real_etcd_and_nats(etcd_url: str, nats_url: str) -> No
 
         deltas = await asyncio.wait_for(in_flight, 10)
         assert len(deltas) == 50 and deltas[-1].finish_reason == "length"
-        for _ in range(100):
-            if await operator.get(drained_key("w1")) is not None:
-                break
-            await asyncio.sleep(0.05)
-        assert await operator.get(drained_key("w1")) == b""
+        drained = operator.watch_prefix(drained_key("w1"))
+        assert await asyncio.wait_for(anext(drained), 5) == KeyEvent("put", drained_key("w1"), b"")
+        await drained.aclose()  # type: ignore[attr-defined]
         reports = [await receive(load, LoadReport) for _ in range(2)]
         assert any(r.draining for r in reports)
     finally:

@@ -13,6 +13,7 @@ from backends.mocker.core import MockerCore
 from backends.mocker.engine import MockerEngine
 from orchestrator.runtime.engine import Engine, EngineError
 from orchestrator.runtime.protocol import SamplingOptions, TokenDelta, WorkerRequest
+from tests.waiting import eventually
 
 FAST = 1e6  # speedup: steps take no wall time to speak of
 
@@ -63,7 +64,7 @@ async def test_a_request_streams_to_its_end_with_usage(engine: MockerEngine) -> 
 async def test_tokens_ready_together_travel_together(engine: MockerEngine) -> None:
     stream = engine.generate(request("slow-reader", max_tokens=40))
     first = await anext(stream)
-    await asyncio.sleep(0.05)  # the engine keeps stepping meanwhile
+    await eventually(lambda: not engine.core.has_work())  # the engine generates every token meanwhile
     rest = await collect(stream)
     assert len(first.token_ids) + sum(len(d.token_ids) for d in rest) == 40
     assert len(rest) < 39 and max(len(d.token_ids) for d in rest) > 1

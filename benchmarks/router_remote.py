@@ -35,7 +35,6 @@ from orchestrator.runtime.discovery import MemoryDiscovery
 from orchestrator.runtime.events import MemoryEventPlane
 from orchestrator.runtime.protocol import BlockStored, Instance, KvEventBatch, ModelCard, subject
 from orchestrator.runtime.request_plane import RequestPlaneClient
-from router.avoid import select_avoiding
 from router.protocols import RouteRequest
 from router.remote import RemoteRouter
 from router.router import Router, make_router
@@ -103,7 +102,7 @@ async def main(args: argparse.Namespace) -> dict[str, float]:
     local_us = []
     for req in reqs:
         started = time.perf_counter_ns()
-        decision = select_avoiding(local, req)
+        decision = local.select(req)
         local.on_finish(decision.worker_id, req.request_id)
         local_us.append((time.perf_counter_ns() - started) / 1e3)
 

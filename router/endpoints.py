@@ -21,7 +21,8 @@ class RouteCall(msgspec.Struct, kw_only=True, omit_defaults=True):
     num_tokens: int
     block_hashes: list[int] = []
     pinned_worker: str | None = None  # `direct` mode
-    avoid: list[str] = []  # workers that already failed this request
+    # Workers that already failed this request (on the wire as "avoid", its first name).
+    exclude: list[str] = msgspec.field(default_factory=list, name="avoid")
 
 
 class RouteAnswer(msgspec.Struct, kw_only=True):

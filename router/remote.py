@@ -21,7 +21,6 @@ from collections.abc import Callable, Collection
 import msgspec
 
 from orchestrator.runtime.request_plane import RemoteError, RequestPlaneClient, ResponseStream
-from router.avoid import select_avoiding
 from router.endpoints import ROUTE, RouteAnswer, RouteCall
 from router.protocols import Decision, RouteRequest
 from router.router import Router
@@ -55,9 +54,9 @@ class RemoteRouter:
         # requests the router placed: request id -> (worker, the open route stream)
         self._placed: dict[str, tuple[str, ResponseStream]] = {}
 
-    async def select(self, request: RouteRequest, avoid: Collection[str] = ()) -> Decision:
+    async def select(self, request: RouteRequest, exclude: Collection[str] = ()) -> Decision:
         if self._clock() >= self._retry_at:
-            placed = await self._ask(request, avoid)
+            placed = await self._ask(request, exclude)
             if placed is not None:
                 answer, stream = placed
                 if answer.worker_id in self.fallback.workers:
@@ -66,7 +65,7 @@ class RemoteRouter:
                         answer.worker_id, answer.overlap_blocks, answer.cost, answer.best_overlap_blocks
                     )
                 stream.close()
-        return select_avoiding(self.fallback, request, avoid)
+        return self.fallback.select(request, exclude)
 
     def on_finish(self, worker_id: str, request_id: str | None = None) -> None:
         placed = self._placed.pop(request_id, None) if request_id is not None else None
@@ -81,7 +80,7 @@ class RemoteRouter:
         self._placed.clear()
 
     async def _ask(
-        self, request: RouteRequest, avoid: Collection[str]
+        self, request: RouteRequest, exclude: Collection[str]
     ) -> tuple[RouteAnswer, ResponseStream] | None:
         call = RouteCall(
             model=self.model,
@@ -89,7 +88,7 @@ class RemoteRouter:
             num_tokens=request.num_tokens,
             block_hashes=request.block_hashes,
             pinned_worker=request.pinned_worker,
-            avoid=list(avoid),
+            exclude=list(exclude),
         )
         stream = self.client.stream(self.address, ROUTE, _encode(call))
         try:

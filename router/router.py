@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from orchestrator.runtime.protocol import KvEventBatch, KvSnapshot, LoadReport
@@ -140,12 +140,15 @@ class Router:
 
     # ------------------------------------------------------------------ requests
 
-    def select(self, request: RouteRequest) -> Decision:
+    def select(self, request: RouteRequest, exclude: Collection[str] = ()) -> Decision:
+        """Pick a worker for `request`, never a draining one nor one of `exclude` (workers
+        that already failed this request, or that the caller cannot reach)."""
         started = time.perf_counter()
         # The worker dict itself unless some are left out: no per-decision copy in the usual case.
         candidates: Mapping[str, WorkerLoad] = self.workers
-        if draining := self.loads.draining:
-            candidates = {w: load for w, load in candidates.items() if w not in draining}
+        draining = self.loads.draining
+        if draining or exclude:
+            candidates = {w: load for w, load in candidates.items() if w not in draining and w not in exclude}
         if not candidates:
             raise NoWorkerAvailable("no worker is available for this model")
         if isinstance(self.index, KvIndexer) and self.index.joining:

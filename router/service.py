@@ -144,7 +144,7 @@ class RouterService(RoutingTable[ModelRoutes]):
             raise RemoteError("invalid_request", f"the router knows no worker of model {call.model!r}")
         request = RouteRequest(call.request_id, call.num_tokens, call.block_hashes, call.pinned_worker)
         try:
-            decision = await model.select(request, call.avoid)
+            decision = await model.select(request, call.exclude)
         except NoWorkerAvailable as exc:
             raise RemoteError("unavailable", f"{call.model}: {exc}") from exc
         try:

@@ -22,7 +22,6 @@ from orchestrator.runtime.discovery import Discovery, DiscoveryEvent
 from orchestrator.runtime.events import EventPlane
 from orchestrator.runtime.protocol import Instance, KvSnapshot, ModelCard
 from orchestrator.runtime.request_plane import RemoteError, RequestPlaneClient, WorkerClient
-from router.avoid import select_avoiding
 from router.protocols import Decision, RouteRequest
 from router.remote import RemoteRouter
 from router.router import Router
@@ -49,11 +48,11 @@ class ModelRoutes:
         self.subscriber = RouterSubscriber(self.router, events, namespace, self.name, self.fetch_snapshot)
         await self.subscriber.start()
 
-    async def select(self, request: RouteRequest, avoid: Collection[str] = ()) -> Decision:
-        """The decision for `request`, never naming one of `avoid` (they already failed it)."""
+    async def select(self, request: RouteRequest, exclude: Collection[str] = ()) -> Decision:
+        """The decision for `request`, never naming one of `exclude` (they already failed it)."""
         if self.remote is not None:
-            return await self.remote.select(request, avoid)
-        return select_avoiding(self.router, request, avoid)
+            return await self.remote.select(request, exclude)
+        return self.router.select(request, exclude)
 
     def on_finish(self, worker_id: str, request_id: str) -> None:
         (self.remote or self.router).on_finish(worker_id, request_id)

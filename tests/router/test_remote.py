@@ -129,10 +129,10 @@ async def test_a_caller_that_goes_away_releases_its_requests(setup: Setup) -> No
     await eventually(lambda: sum(w.inflight_requests for w in loads.values()) == 0)
 
 
-async def test_avoided_workers_are_not_chosen(setup: Setup) -> None:
+async def test_excluded_workers_are_not_chosen(setup: Setup) -> None:
     remote = setup.remote()
     for i in range(4):
-        decision = await remote.select(route(f"x{i}", PREFIX), avoid=["a"])
+        decision = await remote.select(route(f"x{i}", PREFIX), exclude=["a"])
         assert decision.worker_id == "b"
         remote.on_finish("b", f"x{i}")
 
@@ -148,7 +148,7 @@ async def test_bad_calls_get_typed_errors(setup: Setup) -> None:
     unknown = RouteCall(model="nope", request_id="u", num_tokens=1)
     assert (await call_route(setup, msgspec.msgpack.encode(unknown))).code == "invalid_request"
     assert (await call_route(setup, b"\x01garbage")).code == "invalid_request"
-    none_left = RouteCall(model=MODEL, request_id="n", num_tokens=1, avoid=["a", "b"])
+    none_left = RouteCall(model=MODEL, request_id="n", num_tokens=1, exclude=["a", "b"])
     error = await call_route(setup, msgspec.msgpack.encode(none_left))
     assert (error.code, error.retryable) == ("unavailable", False)
     # the router still serves after refusing

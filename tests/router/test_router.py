@@ -96,6 +96,16 @@ def test_direct_needs_a_live_pinned_worker() -> None:
         router.select(req("c", [1], pinned="nope"))
 
 
+@pytest.mark.parametrize("mode", ["kv", "round-robin", "least-loaded", "random"])
+def test_excluded_workers_are_not_chosen_and_stay_known(mode: str) -> None:
+    router = router_with(mode, n=3)
+    picked = {router.select(req(str(i), [1, 2]), exclude=["w0", "w2"]).worker_id for i in range(6)}
+    assert picked == {"w1"}
+    assert not router.loads.draining and set(router.workers) == {"w0", "w1", "w2"}
+    with pytest.raises(NoWorkerAvailable):
+        router.select(req("x", [1]), exclude=["w0", "w1", "w2"])
+
+
 def test_draining_and_empty_pools_are_not_routed_to() -> None:
     router = router_with("round-robin", n=2)
     router.set_draining("w0", True)

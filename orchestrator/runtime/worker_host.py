@@ -207,6 +207,7 @@ class WorkerHost:
                     batch.worker_id = self.instance_id
                     kv_event_id = batch.event_id
                     await self.events.publish(kv_subject, _encode(batch))
+                    metrics.KV_EVENTS_PUBLISHED.labels(self.instance_id).inc(len(batch.events))
                 load = self.engine.load()
                 load.worker_id = self.instance_id
                 load.draining = self.draining

@@ -13,6 +13,8 @@ REQUESTS = Counter(
     "Generate calls by outcome (ok, error, cancelled, rejected, invalid)",
     ["worker", "outcome"],
 )
+# Against a router's weir_router_kv_events_applied: how far its index lags what workers cache.
+KV_EVENTS_PUBLISHED = Counter("weir_worker_kv_events_published", "KV events published to routers", ["worker"])
 IN_FLIGHT = Gauge("weir_worker_in_flight_requests", "Generate calls being served", ["worker"])
 DRAINING = Gauge("weir_worker_draining", "1 while the worker drains", ["worker"])
 WAITING = Gauge("weir_worker_waiting_requests", "Requests queued in the engine", ["worker"])

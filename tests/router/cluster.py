@@ -6,10 +6,13 @@ frontend asks a standalone `weir router`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import httpx
 
 from backends.registry import DEFAULT_MODEL
-from tests.cluster import Cluster
+from tests.cluster import Cluster, metric
+from tests.waiting import wait_until
 
 WORKERS = ("worker-a", "worker-b", "worker-c")
 PREFIX = [(7 * i) % 900 + 10 for i in range(2048)]  # 32 blocks of 64 tokens
@@ -27,10 +30,33 @@ class KvCluster(Cluster):
         return details.cached_tokens or 0 if details is not None else 0
 
     def served(self) -> dict[str, float]:
+        return self._per_live_worker(self.served_by)
+
+    def kv_events_published(self) -> float:
+        """KV events the live workers have published, from their /metrics."""
+        return sum(self._per_live_worker(self._kv_events_published_by).values())
+
+    def wait_kv_events_applied(self, applied: Callable[[], float], since: tuple[float, float]) -> None:
+        """Until a router has applied every KV event the live workers published since `since`
+        (`(kv_events_published(), applied())` taken before), and there was one. `applied`
+        reads that router's weir_router_kv_events_applied_total."""
+        published_before, applied_before = since
+
+        def caught_up() -> bool:
+            published = self.kv_events_published() - published_before
+            return published > 0 and applied() - applied_before >= published
+
+        wait_until(caught_up, "the router to apply the workers' new KV events", 10)
+
+    def _kv_events_published_by(self, worker: str) -> float:
+        text = httpx.get(f"{self.workers[worker]}/metrics", timeout=5).text
+        return metric(text, "weir_worker_kv_events_published_total", f'worker="{worker}"')
+
+    def _per_live_worker(self, read: Callable[[str], float]) -> dict[str, float]:
         counts = {}
         for worker in self.workers:
             try:
-                counts[worker] = self.served_by(worker)
+                counts[worker] = read(worker)
             except httpx.TransportError:
                 continue  # a killed worker
         return counts

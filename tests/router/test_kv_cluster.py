@@ -6,18 +6,22 @@ SIGKILLed, discovery drops it, the index forgets its blocks, and the prefix goes
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 
+from backends.registry import DEFAULT_MODEL
 from tests.cluster import LEASE_TTL, Procs, planes, start_frontend, start_workers
 from tests.router.cluster import PREFIX, WORKERS, KvCluster, new_requests
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
+
+
+def frontend_kv_events_applied(c: KvCluster) -> float:
+    return c.frontend_metric("weir_router_kv_events_applied_total", f'model="{DEFAULT_MODEL}"')
 
 
 @pytest.fixture
@@ -33,10 +37,10 @@ def test_shared_prefix_follows_the_cache_and_forgets_a_killed_worker(
     cluster: tuple[KvCluster, Procs],
 ) -> None:
     c, procs = cluster
-    before = c.served()
+    before, events = c.served(), (c.kv_events_published(), frontend_kv_events_applied(c))
     assert c.complete(1) == 0  # nobody holds the prefix yet
     (owner,) = new_requests(before, c.served())
-    time.sleep(0.5)  # the owner's KV events reach the frontend over NATS
+    c.wait_kv_events_applied(lambda: frontend_kv_events_applied(c), events)  # over NATS
 
     before = c.served()
     cached = [c.complete(suffix) for suffix in range(2, 8)]
@@ -49,11 +53,11 @@ def test_shared_prefix_follows_the_cache_and_forgets_a_killed_worker(
 
     # The index forgot the owner's blocks: the first request finds no cache anywhere, lands
     # on a survivor, and the prefix then sticks to that survivor.
-    before = c.served()
+    before, events = c.served(), (c.kv_events_published(), frontend_kv_events_applied(c))
     assert c.complete(100) == 0
     (heir,) = new_requests(before, c.served())
     assert heir != owner
-    time.sleep(0.5)
+    c.wait_kv_events_applied(lambda: frontend_kv_events_applied(c), events)
     before = c.served()
     cached = [c.complete(suffix) for suffix in range(101, 105)]
     assert new_requests(before, c.served()) == {heir: 4.0}

@@ -9,9 +9,9 @@ to it, so the prefix finds a worker holding it again."""
 
 from __future__ import annotations
 
+import itertools
 import signal
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -30,6 +30,7 @@ from tests.waiting import wait_until
 pytestmark = pytest.mark.slow
 
 DECISIONS = "weir_router_decisions_total"
+OVERLAP = "weir_router_chosen_overlap_blocks_total"
 KV = f'model="{DEFAULT_MODEL}",mode="kv"'
 LOCAL = f'model="{DEFAULT_MODEL}",mode="least-loaded"'
 
@@ -42,6 +43,9 @@ class Setup:
 
     def router_metric(self, name: str, labels: str) -> float:
         return metric(httpx.get(f"{self.router_metrics}/metrics", timeout=5).text, name, labels)
+
+    def router_kv_events_applied(self) -> float:
+        return self.router_metric("weir_router_kv_events_applied_total", f'model="{DEFAULT_MODEL}"')
 
 
 @pytest.fixture
@@ -94,16 +98,17 @@ def test_the_router_places_requests_and_the_frontend_falls_back_without_it(setup
     c = setup.cluster
     router = setup.start_router()
 
+    events = (c.kv_events_published(), setup.router_kv_events_applied())
     placed, cached = prefix_requests(c, range(1, 2))
     (owner,) = placed
     assert cached == [0]  # nobody holds the prefix yet
-    time.sleep(0.5)  # the owner's KV events reach the router over NATS
+    c.wait_kv_events_applied(setup.router_kv_events_applied, events)  # over NATS
     placed, cached = prefix_requests(c, range(2, 8))
     assert placed == {owner: 6.0}, "prefix requests left the caching worker"
     assert cached == [len(PREFIX)] * 6
     assert setup.router_metric(DECISIONS, KV) == 7
     blocks = len(PREFIX) // 64
-    assert setup.router_metric("weir_router_chosen_overlap_blocks_total", KV) == 6 * blocks
+    assert setup.router_metric(OVERLAP, KV) == 6 * blocks
     assert c.frontend_metric(DECISIONS, LOCAL) == 0  # every decision was the router's
 
     # Without the router the frontend places requests itself, least-loaded: they succeed.
@@ -114,13 +119,22 @@ def test_the_router_places_requests_and_the_frontend_falls_back_without_it(setup
     assert c.frontend_metric(DECISIONS, LOCAL) == 6
 
     # A new router syncs its index from the workers' snapshots before routing, and the
-    # frontend asks it again once its retry delay (1 s) has passed.
+    # frontend asks it again once its retry delay (1 s) has passed: only a request shows when,
+    # so probe until one is the new router's decision, and count from there.
     setup.start_router()
-    time.sleep(1.0)
+    probes = itertools.count(1000)
+
+    def routed_by_the_router() -> bool:
+        c.complete(next(probes))
+        return setup.router_metric(DECISIONS, KV) > 0  # the new router's counters start at 0
+
+    wait_until(routed_by_the_router, "the frontend to route through the restarted router", 10, interval=0.1)
+    decided, overlap = setup.router_metric(DECISIONS, KV), setup.router_metric(OVERLAP, KV)
+    local = c.frontend_metric(DECISIONS, LOCAL)
     # (The fallback may have cached the prefix on other workers too: any of them will do.)
     placed, cached = prefix_requests(c, range(20, 24))
     assert sum(placed.values()) == 4
     assert cached == [len(PREFIX)] * 4
-    assert setup.router_metric(DECISIONS, KV) == 4
-    assert setup.router_metric("weir_router_chosen_overlap_blocks_total", KV) == 4 * blocks
-    assert c.frontend_metric(DECISIONS, LOCAL) == 6
+    assert setup.router_metric(DECISIONS, KV) - decided == 4
+    assert setup.router_metric(OVERLAP, KV) - overlap == 4 * blocks
+    assert c.frontend_metric(DECISIONS, LOCAL) == local, "every decision was the router's again"

@@ -11,6 +11,7 @@ from typing import TypeVar
 import httpx
 import msgspec
 import pytest
+from prometheus_client import REGISTRY
 
 from orchestrator.runtime.discovery import Discovery, KeyEvent, drain_key, drained_key, make_discovery
 from orchestrator.runtime.events import EventPlane, Subscription, make_event_plane
@@ -40,6 +41,11 @@ async def collect(stream: AsyncIterator[TokenDelta]) -> list[TokenDelta]:
 
 async def receive(sub: Subscription, kind: type[T]) -> T:
     return msgspec.msgpack.decode(await asyncio.wait_for(anext(sub), 3), type=kind)
+
+
+def kv_events_published(worker: str) -> float:
+    value = REGISTRY.get_sample_value("weir_worker_kv_events_published_total", {"worker": worker})
+    return value or 0.0
 
 
 @pytest.fixture
@@ -140,6 +146,7 @@ async def test_model_files_without_a_model_path_is_empty(host: WorkerHost) -> No
 
 async def test_kv_events_load_and_snapshot(host: WorkerHost, planes: tuple[Discovery, EventPlane]) -> None:
     events = planes[1]
+    published_before = kv_events_published("w1")
     kv = await events.subscribe(subject("test", "fake-model", "kv"))
     load = await events.subscribe(subject("test", "fake-model", "load"))
     client = RequestPlaneClient()
@@ -150,6 +157,8 @@ async def test_kv_events_load_and_snapshot(host: WorkerHost, planes: tuple[Disco
     batches = [await receive(kv, KvEventBatch) for _ in range(2)]
     assert [(b.worker_id, b.event_id) for b in batches] == [("w1", 1), ("w1", 2)]
     assert [b.events[0].blocks for b in batches] == [[11], [22]]  # type: ignore[union-attr]
+    sent = sum(len(b.events) for b in batches)
+    await eventually(lambda: kv_events_published("w1") - published_before == sent)
     report = await receive(load, LoadReport)
     assert report.worker_id == "w1" and report.total_blocks == 100
 

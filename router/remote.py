@@ -20,7 +20,8 @@ from collections.abc import Callable, Collection
 
 import msgspec
 
-from orchestrator.runtime.request_plane import RemoteError, RequestPlaneClient, ResponseStream
+from orchestrator.runtime.errors import EngineError
+from orchestrator.runtime.request_plane import RequestPlaneClient, ResponseStream
 from router.endpoints import ROUTE, RouteAnswer, RouteCall
 from router.protocols import Decision, RouteRequest
 from router.router import Router
@@ -94,7 +95,7 @@ class RemoteRouter:
         try:
             async with asyncio.timeout(self.timeout_s):
                 return _decode_answer(await anext(stream)), stream
-        except RemoteError as exc:
+        except EngineError as exc:
             if exc.retryable:  # the connection, not the router's answer: give it time
                 self._unreachable(exc)
             else:

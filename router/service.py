@@ -14,17 +14,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import msgspec
 from prometheus_client import CollectorRegistry, Gauge
 
 from orchestrator.runtime.discovery import Discovery, DiscoveryUnavailable
+from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.events import EventPlane
 from orchestrator.runtime.protocol import Instance, ModelCard
 from orchestrator.runtime.request_plane import (
-    RemoteError,
     RequestPlaneClient,
     RequestPlaneServer,
     TcpWorkerClient,
@@ -134,19 +134,19 @@ class RouterService(RoutingTable[ModelRoutes]):
 
     # ------------------------------------------------------------------ endpoints
 
-    async def _route(self, payload: bytes) -> AsyncIterator[bytes]:
+    async def _route(self, payload: bytes) -> AsyncGenerator[bytes, None]:
         try:
             call = _decode_route(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise RemoteError("invalid_request", f"bad RouteCall: {exc}") from exc
+            raise EngineError("invalid_request", f"bad RouteCall: {exc}") from exc
         model = self.models.get(call.model)
         if model is None:
-            raise RemoteError("invalid_request", f"the router knows no worker of model {call.model!r}")
+            raise EngineError("invalid_request", f"the router knows no worker of model {call.model!r}")
         request = RouteRequest(call.request_id, call.num_tokens, call.block_hashes, call.pinned_worker)
         try:
             decision = await model.select(request, call.exclude)
         except NoWorkerAvailable as exc:
-            raise RemoteError("unavailable", f"{call.model}: {exc}") from exc
+            raise EngineError("unavailable", f"{call.model}: {exc}") from exc
         try:
             yield _encode(
                 RouteAnswer(

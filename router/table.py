@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from orchestrator.runtime.discovery import Discovery, DiscoveryEvent
+from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.events import EventPlane
 from orchestrator.runtime.protocol import Instance, KvSnapshot, ModelCard
-from orchestrator.runtime.request_plane import RemoteError, RequestPlaneClient, WorkerClient
+from orchestrator.runtime.request_plane import RequestPlaneClient, WorkerClient
 from router.protocols import Decision, RouteRequest
 from router.remote import RemoteRouter
 from router.router import Router
@@ -69,7 +70,7 @@ class ModelRoutes:
     async def fetch_snapshot(self, worker_id: str) -> KvSnapshot:
         client = self.workers.get(worker_id)
         if client is None:
-            raise RemoteError("unavailable", f"worker {worker_id} of {self.name} is gone", retryable=True)
+            raise EngineError("unavailable", f"worker {worker_id} of {self.name} is gone", retryable=True)
         return await client.kv_snapshot()
 
     async def close(self) -> None:

@@ -16,12 +16,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 from backends.deepinfer.engine import Engine
 from backends.deepinfer.outputs import SeqOutput
 from backends.deepinfer.sequence import Sequence
-from orchestrator.runtime.engine import EngineError
+from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.protocol import (
     FinishReason,
     TokenDelta,
@@ -70,7 +70,7 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests
 
-    async def generate(self, request: WorkerRequest) -> AsyncIterator[TokenDelta]:
+    async def generate(self, request: WorkerRequest) -> AsyncGenerator[TokenDelta, None]:
         """Stream one request's deltas; the last carries finish_reason and usage."""
         if self._thread is None:
             raise EngineError("unavailable", "the engine is not running", retryable=True)

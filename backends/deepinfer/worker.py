@@ -9,20 +9,19 @@ which does not import torch.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 from backends.deepinfer.args import add_deepinfer_arguments, deepinfer_config_from_args
 from backends.deepinfer.async_engine import AsyncEngine
 from backends.deepinfer.config import EngineConfig
 from backends.deepinfer.engine import Engine
-from orchestrator.runtime.engine import EngineError
+from orchestrator.runtime.engine import DeltaStream
+from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.protocol import (
     KvEventBatch,
     KvSnapshot,
     LoadReport,
     ModelCard,
-    TokenDelta,
     WorkerRequest,
 )
 
@@ -71,7 +70,7 @@ class DeepInferWorker:
         if self._async is not None:
             await self._async.stop()
 
-    def generate(self, request: WorkerRequest) -> AsyncIterator[TokenDelta]:
+    def generate(self, request: WorkerRequest) -> DeltaStream:
         if self._async is None:
             raise EngineError("unavailable", "the DeepInfer worker has not been started", retryable=True)
         return self._async.generate(request)

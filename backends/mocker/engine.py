@@ -16,7 +16,7 @@ from collections.abc import AsyncGenerator
 from backends.deepinfer.sequence import Sequence
 from backends.mocker.config import MockerConfig
 from backends.mocker.core import MockerCore, RequestOutput
-from orchestrator.runtime.engine import EngineError
+from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.protocol import (
     FinishReason,
     KvEventBatch,

@@ -25,7 +25,7 @@ from orchestrator.frontend.config import REMOTE_FALLBACK_MODE, ROUTER_MODES, Fro
 from orchestrator.frontend.server import create_app, uvicorn_config
 from orchestrator.runtime.discovery import Discovery, make_discovery
 from orchestrator.runtime.events import EventPlane, make_event_plane
-from orchestrator.runtime.request_plane import LocalWorkerClient
+from orchestrator.runtime.request_plane import WorkerClient
 
 _DEFAULTS = FrontendConfig()
 
@@ -127,7 +127,7 @@ async def serve_http(
     discovery: Discovery,
     events: EventPlane,
     stop: asyncio.Event,
-    local_workers: Mapping[str, LocalWorkerClient] | None = None,
+    local_workers: Mapping[str, WorkerClient] | None = None,
     banner: Callable[[str], str] = lambda url: f"weir frontend on {url}",
 ) -> None:
     """Serve HTTP until SIGINT/SIGTERM or `stop` (uvicorn drains open requests first), printing

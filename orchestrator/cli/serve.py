@@ -1,7 +1,7 @@
 """`weir serve`: the whole system in one process, with no etcd, no NATS and no GPU required.
 
 The frontend and --workers local engine workers share an in-process discovery registry and
-event plane, and the frontend calls the engines directly rather than over TCP. Everything
+event plane, and the frontend calls the workers' hosts directly rather than over TCP. Everything
 else (preprocessing, routing, KV events, load reports) is the code cluster mode runs.
 """
 
@@ -19,7 +19,6 @@ from orchestrator.frontend.config import FrontendConfig
 from orchestrator.runtime.discovery import MemoryDiscovery
 from orchestrator.runtime.engine import Engine
 from orchestrator.runtime.events import MemoryEventPlane
-from orchestrator.runtime.request_plane import LocalWorkerClient
 from orchestrator.runtime.worker_host import WorkerHost
 
 NAMESPACE = "local"
@@ -76,7 +75,8 @@ async def _serve(
         await asyncio.gather(*(host.start() for host in hosts))
         if stop.is_set():
             return
-        local = {host.instance_id: LocalWorkerClient(host.engine) for host in hosts}
+        # The frontend calls the hosts directly: drain, metrics and all, without the TCP hop.
+        local = {host.instance_id: host for host in hosts}
         model = served_name(args, model_dir)
         await serve_http(
             config,

@@ -12,8 +12,8 @@ from collections.abc import AsyncGenerator
 
 from orchestrator.frontend.metrics import Metrics
 from orchestrator.frontend.registry import ModelEntry
+from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.protocol import TokenDelta, WorkerRequest
-from orchestrator.runtime.request_plane import RemoteError
 from router.protocols import RouteRequest
 
 log = logging.getLogger("weir.frontend")
@@ -33,7 +33,7 @@ async def generate(
                 streamed = True
                 yield delta
             return
-        except RemoteError as exc:
+        except EngineError as exc:
             if streamed or not exc.retryable or len(failed) >= max_retries:
                 raise
             log.warning(
@@ -42,5 +42,5 @@ async def generate(
             metrics.retries.inc()
             failed.append(worker_id)
         finally:
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()
             routes.on_finish(worker_id, route.request_id)

@@ -12,6 +12,8 @@ import logging
 import msgspec
 import pydantic
 
+from orchestrator.runtime.errors import EngineError
+from orchestrator.runtime.protocol import ErrorCode
 from router.protocols import NoWorkerAvailable
 
 log = logging.getLogger("weir.frontend")
@@ -91,7 +93,7 @@ def _from_validation(exc: pydantic.ValidationError) -> FrontendError:
     return InvalidRequest(f"{loc}: {first['msg']}" if loc else first["msg"], param=loc or None)
 
 
-def _from_worker(code: str, message: str) -> FrontendError:
+def _from_worker(code: ErrorCode, message: str) -> FrontendError:
     if code == "invalid_request":
         return InvalidRequest(message)
     if code in ("overloaded", "unavailable"):
@@ -109,8 +111,7 @@ def to_frontend_error(exc: BaseException) -> FrontendError:
         return Unavailable(str(exc) or "No worker is available.", code="no_worker")
     if isinstance(exc, TimeoutError):
         return Timeout("The request timed out.")
-    worker_error = getattr(exc, "error", None)  # the request plane's RemoteError carries a WorkerError
-    if worker_error is not None and hasattr(worker_error, "code"):
-        return _from_worker(worker_error.code, worker_error.message)
+    if isinstance(exc, EngineError):
+        return _from_worker(exc.code, exc.message)
     log.exception("unexpected error while serving a request", exc_info=exc)
     return InternalError("Internal server error.")

@@ -15,7 +15,6 @@ from orchestrator.runtime.discovery import Discovery
 from orchestrator.runtime.events import EventPlane
 from orchestrator.runtime.protocol import Instance
 from orchestrator.runtime.request_plane import (
-    LocalWorkerClient,
     RequestPlaneClient,
     TcpWorkerClient,
     WorkerClient,
@@ -23,7 +22,7 @@ from orchestrator.runtime.request_plane import (
 
 
 def make_client_factory(
-    plane: RequestPlaneClient, local_workers: Mapping[str, LocalWorkerClient] | None = None
+    plane: RequestPlaneClient, local_workers: Mapping[str, WorkerClient] | None = None
 ) -> ClientFactory:
     """In-process workers (by instance id) are called directly; the rest over TCP."""
     local = dict(local_workers or {})
@@ -39,7 +38,7 @@ def create_app(
     config: FrontendConfig,
     discovery: Discovery,
     events: EventPlane | None = None,
-    local_workers: Mapping[str, LocalWorkerClient] | None = None,
+    local_workers: Mapping[str, WorkerClient] | None = None,
 ) -> FastAPI:
     """The app with its own request-plane client (closed with the app)."""
     plane = RequestPlaneClient()
@@ -66,7 +65,7 @@ async def run_frontend(
     config: FrontendConfig,
     discovery: Discovery,
     events: EventPlane | None = None,
-    local_workers: Mapping[str, LocalWorkerClient] | None = None,
+    local_workers: Mapping[str, WorkerClient] | None = None,
 ) -> None:
     """Serve until the process is asked to stop (SIGINT/SIGTERM, handled by uvicorn).
 

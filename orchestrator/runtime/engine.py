@@ -20,14 +20,16 @@ from orchestrator.runtime.protocol import (
 )
 
 
-class EngineError(Exception):
-    """Raised by an engine for a request it rejects; becomes a typed error frame."""
+class DeltaStream(Protocol):
+    """One request's deltas. `aclose()` before the end cancels the request and frees its KV
+    blocks at once; an async generator of TokenDeltas is one. Failures arrive as
+    `orchestrator.runtime.errors.EngineError`."""
 
-    def __init__(self, code: str, message: str, retryable: bool = False) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.retryable = retryable
+    def __aiter__(self) -> AsyncIterator[TokenDelta]: ...
+
+    async def __anext__(self) -> TokenDelta: ...
+
+    async def aclose(self) -> None: ...
 
 
 class Engine(Protocol):
@@ -42,9 +44,9 @@ class Engine(Protocol):
     async def stop(self) -> None:
         """Stop the loop; in-flight requests end with finish_reason 'abort'."""
 
-    def generate(self, request: WorkerRequest) -> AsyncIterator[TokenDelta]:
-        """Stream deltas for one request. Closing the iterator early cancels the request and
-        frees its KV blocks at once. The last delta has a finish_reason and usage."""
+    def generate(self, request: WorkerRequest) -> DeltaStream:
+        """Stream deltas for one request; the last has a finish_reason and usage. A request
+        the engine rejects or cannot finish raises EngineError."""
         ...
 
     def load(self) -> LoadReport:

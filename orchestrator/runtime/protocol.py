@@ -127,7 +127,7 @@ def merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
 
 
 class WorkerError(msgspec.Struct, kw_only=True):
-    """A typed error frame. The request plane raises it on the caller's side as RemoteError."""
+    """A typed error frame. The request plane raises it on the caller's side as EngineError."""
 
     code: ErrorCode
     message: str

@@ -3,6 +3,9 @@
 Endpoints on the request plane: `generate` (msgpack WorkerRequest -> msgpack TokenDelta
 stream; an EngineError becomes a typed error frame), `kv_snapshot` (-> one KvSnapshot) and
 `model_files` (-> one ModelFiles: the card's tokenizer files, for a frontend on another disk).
+The same three are typed methods (`generate`, `kv_snapshot`, `model_files`), so an
+in-process frontend (`weir serve`) calls the host as a `WorkerClient`, drain and metrics
+included, without the TCP hop.
 
 Every ~15 ms the host takes the engine's KV event batches and publishes them on
 `subject(ns, model, "kv")`, and publishes a LoadReport on `.load` when it changed or a second
@@ -24,21 +27,29 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 import msgspec
 
 from orchestrator.runtime import worker_metrics as metrics
 from orchestrator.runtime.discovery import Discovery, DiscoveryUnavailable, drain_key, drained_key
-from orchestrator.runtime.engine import Engine, EngineError
+from orchestrator.runtime.engine import Engine
+from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.events import EventPlane
 from orchestrator.runtime.model_files import read_model_files
-from orchestrator.runtime.protocol import Instance, LoadReport, WorkerRequest, subject
+from orchestrator.runtime.protocol import (
+    Instance,
+    KvSnapshot,
+    LoadReport,
+    ModelFiles,
+    TokenDelta,
+    WorkerRequest,
+    subject,
+)
 from orchestrator.runtime.request_plane import (
     GENERATE,
     KV_SNAPSHOT,
     MODEL_FILES,
-    RemoteError,
     RequestPlaneServer,
     dial_address,
 )
@@ -146,48 +157,64 @@ class WorkerHost:
             await self.discovery.put(drained_key(self.instance_id), b"", leased=True)
         log.info("worker %s drained", self.instance_id)
 
-    # ------------------------------------------------------------------ endpoints
+    # ------------------------------------------------------------------ serving
 
-    async def _generate(self, payload: bytes) -> AsyncIterator[bytes]:
+    async def generate(self, request: WorkerRequest) -> AsyncGenerator[TokenDelta, None]:
+        """One request through the host: refused while draining, counted in flight and in the
+        metrics. In-process callers (`weir serve`) use it directly, so the host is a
+        `WorkerClient`; the `generate` endpoint decodes into it."""
         if self.draining:
             metrics.REQUESTS.labels(self.instance_id, "rejected").inc()
-            raise RemoteError("overloaded", f"worker {self.instance_id} is draining", retryable=True)
-        try:
-            request = _decode_request(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            metrics.REQUESTS.labels(self.instance_id, "invalid").inc()
-            raise RemoteError("invalid_request", f"bad WorkerRequest: {exc}") from exc
+            raise EngineError("overloaded", f"worker {self.instance_id} is draining", retryable=True)
         self.in_flight += 1
         self._idle.clear()
         outcome = "cancelled"
         stream = self.engine.generate(request)
         try:
             async for delta in stream:
-                yield _encode(delta)
+                yield delta
             outcome = "ok"
-        except EngineError as exc:
+        except EngineError:
             outcome = "error"
-            raise RemoteError(exc.code, exc.message, exc.retryable) from exc  # type: ignore[arg-type]
+            raise
         finally:
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await stream.aclose()
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
             metrics.REQUESTS.labels(self.instance_id, outcome).inc()
 
-    async def _kv_snapshot(self, payload: bytes) -> AsyncIterator[bytes]:
+    async def kv_snapshot(self) -> KvSnapshot:
         snapshot = self.engine.kv_snapshot()
         snapshot.worker_id = self.instance_id
-        yield _encode(snapshot)
+        return snapshot
 
-    async def _model_files(self, payload: bytes) -> AsyncIterator[bytes]:
+    async def model_files(self) -> ModelFiles:
         try:
-            files = await asyncio.to_thread(read_model_files, self.engine.card.model_path)
+            return await asyncio.to_thread(read_model_files, self.engine.card.model_path)
         except (OSError, ValueError) as exc:
-            raise RemoteError("internal", f"cannot read the tokenizer files: {exc}") from exc
-        yield _encode(files)
+            raise EngineError("internal", f"cannot read the tokenizer files: {exc}") from exc
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def _generate(self, payload: bytes) -> AsyncGenerator[bytes, None]:
+        try:
+            request = _decode_request(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            metrics.REQUESTS.labels(self.instance_id, "invalid").inc()
+            raise EngineError("invalid_request", f"bad WorkerRequest: {exc}") from exc
+        stream = self.generate(request)
+        try:
+            async for delta in stream:
+                yield _encode(delta)
+        finally:
+            await stream.aclose()
+
+    async def _kv_snapshot(self, payload: bytes) -> AsyncGenerator[bytes, None]:
+        yield _encode(await self.kv_snapshot())
+
+    async def _model_files(self, payload: bytes) -> AsyncGenerator[bytes, None]:
+        yield _encode(await self.model_files())
 
     # ------------------------------------------------------------------ background
 

@@ -13,7 +13,7 @@ import pytest
 from backends.deepinfer.args import add_deepinfer_arguments, deepinfer_config_from_args
 from backends.deepinfer.config import EngineConfig
 from backends.deepinfer.worker import DeepInferWorker
-from orchestrator.runtime.engine import EngineError
+from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.hashing import block_hashes
 from orchestrator.runtime.protocol import BlockStored, SamplingOptions, TokenDelta, WorkerRequest
 

@@ -23,8 +23,6 @@ from orchestrator.runtime.discovery import MemoryDiscovery
 from orchestrator.runtime.engine import Engine
 from orchestrator.runtime.events import MemoryEventPlane
 from orchestrator.runtime.model_files import eos_token_ids
-from orchestrator.runtime.protocol import Instance
-from orchestrator.runtime.request_plane import LocalWorkerClient
 from orchestrator.runtime.worker_host import WorkerHost
 from tests.servers import free_port
 from tests.waiting import wait_http_ok
@@ -39,7 +37,7 @@ class LiveFrontend:
     loop: asyncio.AbstractEventLoop
     discovery: MemoryDiscovery
     engines: dict[str, Engine]
-    hosts: dict[str, WorkerHost]  # tcp=True only
+    hosts: dict[str, WorkerHost]
     server: uvicorn.Server
     thread: threading.Thread = field(repr=False)
 
@@ -93,15 +91,12 @@ def live_frontend(
         discovery = MemoryDiscovery(namespace)
         events = MemoryEventPlane()
         engines = {f"worker-{i}": make_engine() for i in range(num_workers)}
-        hosts: dict[str, WorkerHost] = {}
-        local: dict[str, LocalWorkerClient] = {}
-        if tcp:
-            for worker_id, engine in engines.items():
-                hosts[worker_id] = WorkerHost(engine, discovery, events, namespace, instance_id=worker_id)
-        else:
-            for worker_id, engine in engines.items():
-                await engine.start()
-                local[worker_id] = LocalWorkerClient(engine)
+        hosts = {
+            worker_id: WorkerHost(engine, discovery, events, namespace, instance_id=worker_id)
+            for worker_id, engine in engines.items()
+        }
+        # Without tcp the frontend calls the hosts in process, as `weir serve` does.
+        local: dict[str, WorkerHost] = {} if tcp else hosts
         app = create_app(frontend_config, discovery, events if tcp else None, local)
         server = uvicorn.Server(uvicorn_config(app, frontend_config))
         started.update(
@@ -111,17 +106,12 @@ def live_frontend(
         # Announced after the app is up, so the frontend learns them through its discovery watch.
         for host in hosts.values():
             await host.start()  # registers itself
-        for worker_id in local:
-            card = engines[worker_id].card
-            await discovery.register(Instance(instance_id=worker_id, component="worker", card=card))
         ready.set()
         try:
             await serving
         finally:
             for host in hosts.values():
                 await host.stop()
-            for worker_id in local:
-                await engines[worker_id].stop()
             await discovery.close()
             await events.close()
 

@@ -326,7 +326,8 @@ async def test_drain_by_pod_name_marks_the_pod_for_scale_down(
         Instance(instance_id="w-c", component="worker", address="10.9.0.3:9000", card=card)
     )
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "orchestrator.cli.main", "drain", "ops-weir-pool-main-b", "--drain-timeout", "30",
+        sys.executable, "-m", "orchestrator.cli.main",
+        "drain", "ops-weir-pool-main-b", "--drain-timeout", "30",
         *kube_args(release), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     deadline = time.monotonic() + 30

@@ -11,7 +11,8 @@ import pytest
 from backends.mocker.config import MockerConfig
 from backends.mocker.core import MockerCore
 from backends.mocker.engine import MockerEngine
-from orchestrator.runtime.engine import Engine, EngineError
+from orchestrator.runtime.engine import Engine
+from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.protocol import SamplingOptions, TokenDelta, WorkerRequest
 from tests.waiting import eventually
 

@@ -16,10 +16,11 @@ import pytest_asyncio
 from backends.mocker.config import MockerConfig
 from backends.mocker.engine import MockerEngine
 from orchestrator.runtime.discovery import MemoryDiscovery
+from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.events import MemoryEventPlane
 from orchestrator.runtime.hashing import block_hashes
 from orchestrator.runtime.protocol import SamplingOptions, WorkerRequest
-from orchestrator.runtime.request_plane import RemoteError, RequestPlaneClient, TcpWorkerClient
+from orchestrator.runtime.request_plane import RequestPlaneClient, TcpWorkerClient
 from orchestrator.runtime.worker_host import WorkerHost
 from router.endpoints import ROUTE, RouteCall
 from router.indexer import KvIndexer
@@ -137,9 +138,9 @@ async def test_excluded_workers_are_not_chosen(setup: Setup) -> None:
         remote.on_finish("b", f"x{i}")
 
 
-async def call_route(setup: Setup, payload: bytes) -> RemoteError:
+async def call_route(setup: Setup, payload: bytes) -> EngineError:
     stream = setup.plane.stream(setup.service.address, ROUTE, payload)
-    with pytest.raises(RemoteError) as caught:
+    with pytest.raises(EngineError) as caught:
         await anext(stream)
     return caught.value
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from orchestrator.runtime.engine import EngineError
+from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.protocol import (
     BlockStored,
     KvEventBatch,

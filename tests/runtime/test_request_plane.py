@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator
 import msgspec
 import pytest
 
-from orchestrator.runtime.request_plane import RemoteError, RequestPlaneClient, RequestPlaneServer
+from orchestrator.runtime.errors import EngineError
+from orchestrator.runtime.request_plane import RequestPlaneClient, RequestPlaneServer
 from orchestrator.runtime.request_plane.frames import Call, Data, End, Error, decoder, encode_frame
 
 
@@ -43,7 +44,7 @@ class Forever:
 async def fail_after_one(payload: bytes) -> AsyncIterator[bytes]:
     yield b"first"
     if payload == b"typed":
-        raise RemoteError("overloaded", "draining", retryable=True)
+        raise EngineError("overloaded", "draining", retryable=True)
     raise ValueError("boom")
 
 
@@ -135,19 +136,19 @@ async def test_cancelling_the_consumer_task_cancels_the_server_handler(server: R
 async def test_error_frames_are_typed(server: RequestPlaneServer) -> None:
     client = RequestPlaneClient()
     got: list[bytes] = []
-    with pytest.raises(RemoteError) as typed:
+    with pytest.raises(EngineError) as typed:
         async for chunk in client.stream(address(server), "fail", b"typed"):
             got.append(chunk)
     assert got == [b"first"]
     assert (typed.value.code, typed.value.message, typed.value.retryable) == ("overloaded", "draining", True)
 
-    with pytest.raises(RemoteError) as internal:
+    with pytest.raises(EngineError) as internal:
         async for _ in client.stream(address(server), "fail", b"untyped"):
             pass
     assert internal.value.code == "internal" and "boom" in internal.value.message
     assert not internal.value.retryable
 
-    with pytest.raises(RemoteError) as unknown:
+    with pytest.raises(EngineError) as unknown:
         async for _ in client.stream(address(server), "nope", b""):
             pass
     assert unknown.value.code == "invalid_request" and "nope" in unknown.value.message
@@ -162,7 +163,7 @@ async def test_connection_loss_is_retryable_and_the_client_reconnects(server: Re
     port = server.port
     await server.stop()
     for stream in streams:
-        with pytest.raises(RemoteError) as lost:
+        with pytest.raises(EngineError) as lost:
             async for _ in stream:
                 pass
         assert lost.value.code == "unavailable" and lost.value.retryable
@@ -181,7 +182,7 @@ async def test_unreachable_worker_is_a_retryable_error(server: RequestPlaneServe
     port = server.port
     await server.stop()
     client = RequestPlaneClient()
-    with pytest.raises(RemoteError) as unreachable:
+    with pytest.raises(EngineError) as unreachable:
         async for _ in client.stream(f"127.0.0.1:{port}", "count", b"x:1"):
             pass
     assert unreachable.value.code == "unavailable" and unreachable.value.retryable

@@ -14,12 +14,11 @@ import pytest
 from prometheus_client import REGISTRY
 
 from orchestrator.runtime.discovery import Discovery, KeyEvent, drain_key, drained_key, make_discovery
+from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.events import EventPlane, Subscription, make_event_plane
 from orchestrator.runtime.health import HealthServer
 from orchestrator.runtime.protocol import KvEventBatch, LoadReport, TokenDelta, WorkerRequest, subject
 from orchestrator.runtime.request_plane import (
-    LocalWorkerClient,
-    RemoteError,
     RequestPlaneClient,
     TcpWorkerClient,
 )
@@ -80,10 +79,10 @@ async def test_generate_over_tcp_from_the_discovered_address(
 
 async def test_engine_errors_and_bad_payloads_are_typed(host: WorkerHost) -> None:
     client = RequestPlaneClient()
-    with pytest.raises(RemoteError) as rejected:
+    with pytest.raises(EngineError) as rejected:
         await collect(TcpWorkerClient(client, host.address).generate(request("r1", prompt=[])))
     assert (rejected.value.code, rejected.value.message) == ("invalid_request", "empty prompt")
-    with pytest.raises(RemoteError) as garbage:
+    with pytest.raises(EngineError) as garbage:
         async for _ in client.stream(host.address, "generate", msgspec.msgpack.encode({"nonsense": 1})):
             pass
     assert garbage.value.code == "invalid_request" and not garbage.value.retryable
@@ -132,7 +131,7 @@ async def test_model_files_sends_the_tokenizer_files_and_no_weights(
     client = RequestPlaneClient()
     try:
         assert (await TcpWorkerClient(client, h.address).model_files()).files == sent
-        assert (await LocalWorkerClient(engine).model_files()).files == sent
+        assert (await h.model_files()).files == sent  # in-process callers (weir serve)
     finally:
         await client.close()
         await h.stop()
@@ -182,18 +181,35 @@ async def test_load_is_republished_every_second_without_changes(
     assert first == second  # nothing changed, yet a heartbeat came
 
 
-async def test_local_client_calls_the_engine_directly() -> None:
+async def test_the_host_serves_in_process_callers_like_remote_ones(
+    planes: tuple[Discovery, EventPlane],
+) -> None:
     engine = FakeEngine()
-    local = LocalWorkerClient(engine)
-    assert [d.token_ids for d in await collect(local.generate(request("r", 2)))] == [[3], [4]]
-    with pytest.raises(RemoteError) as rejected:
-        await collect(local.generate(request("bad", prompt=[])))
-    assert rejected.value.code == "invalid_request"
-    stream = local.generate(request("long", max_tokens=100))
-    await anext(stream)
-    await stream.aclose()
-    assert engine.cancelled == ["long"]
-    assert (await local.kv_snapshot()).blocks == {"device": [7, 7]}
+    local = WorkerHost(engine, *planes, namespace="test", instance_id="local")
+    await local.start()
+    try:
+        assert [d.token_ids for d in await collect(local.generate(request("r", 2)))] == [[3], [4]]
+        with pytest.raises(EngineError) as rejected:
+            await collect(local.generate(request("bad", prompt=[])))
+        assert rejected.value.code == "invalid_request"
+        stream = local.generate(request("long", max_tokens=100))
+        await anext(stream)
+        assert local.in_flight == 1
+        await stream.aclose()
+        assert engine.cancelled == ["long"] and local.in_flight == 0
+        assert (await local.kv_snapshot()).worker_id == "local"
+        outcomes = {
+            o: REGISTRY.get_sample_value("weir_worker_requests_total", {"worker": "local", "outcome": o})
+            for o in ("ok", "error", "cancelled")
+        }
+        assert outcomes == {"ok": 1.0, "error": 1.0, "cancelled": 1.0}
+
+        await local.drain()  # a draining host refuses in-process callers too
+        with pytest.raises(EngineError) as refused:
+            await collect(local.generate(request("late")))
+        assert (refused.value.code, refused.value.retryable) == ("overloaded", True)
+    finally:
+        await local.stop()
 
 
 async def test_drain_over_real_etcd_and_nats(etcd_url: str, nats_url: str) -> None:
@@ -215,7 +231,7 @@ async def test_drain_over_real_etcd_and_nats(etcd_url: str, nats_url: str) -> No
         update = await asyncio.wait_for(anext(watch), 5)
         assert update.kind == "put" and update.instance.draining
 
-        with pytest.raises(RemoteError) as refused:
+        with pytest.raises(EngineError) as refused:
             await collect(worker.generate(request("late")))
         assert (refused.value.code, refused.value.retryable) == ("overloaded", True)
         assert await operator.get(drained_key("w1")) is None, "not drained while a request runs"

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from orchestrator.runtime.request_plane.client import RequestPlaneClient, ResponseStream
-from orchestrator.runtime.request_plane.errors import RemoteError
 from orchestrator.runtime.request_plane.server import Handler, RequestPlaneServer, dial_address
 from orchestrator.runtime.request_plane.worker_client import (
     GENERATE,
     KV_SNAPSHOT,
     MODEL_FILES,
-    LocalWorkerClient,
     TcpWorkerClient,
     WorkerClient,
 )
@@ -19,8 +17,6 @@ __all__ = [
     "KV_SNAPSHOT",
     "MODEL_FILES",
     "Handler",
-    "LocalWorkerClient",
-    "RemoteError",
     "RequestPlaneClient",
     "RequestPlaneServer",
     "ResponseStream",

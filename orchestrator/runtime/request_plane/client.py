@@ -3,7 +3,7 @@
 `stream()` returns a `ResponseStream`, an async iterator of response payloads. Closing it
 early (`aclose()`, or dropping it unfinished, or cancelling the task awaiting it) sends a
 `Cancel` frame, so the worker stops generating. A lost connection fails every stream open on
-it with `RemoteError('unavailable', retryable=True)`; the next call reconnects.
+it with `EngineError('unavailable', retryable=True)`; the next call reconnects.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import contextlib
 from collections import deque
 from functools import partial
 
+from orchestrator.runtime.errors import EngineError, unavailable
 from orchestrator.runtime.request_plane.connection import FrameProtocol
-from orchestrator.runtime.request_plane.errors import RemoteError, unavailable
 from orchestrator.runtime.request_plane.frames import Call, Cancel, Data, End, Error, Frame
 
 
@@ -48,7 +48,7 @@ class _ClientConnection(FrameProtocol):
         elif type(frame) is Error:
             stream = self.streams.pop(frame.stream_id, None)
             if stream is not None:
-                stream.finish(RemoteError.from_wire(frame.error))
+                stream.finish(EngineError.from_wire(frame.error))
         else:
             self.warn(f"request plane: unexpected {type(frame).__name__} frame from {self.address}")
 
@@ -70,14 +70,14 @@ class _Inbox:
         self.items: deque[bytes] = deque()
         self.waiter: asyncio.Future[None] | None = None
         self.done = False
-        self.error: RemoteError | None = None
+        self.error: EngineError | None = None
 
     def push(self, payload: bytes) -> None:
         self.items.append(payload)
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
-    def finish(self, error: RemoteError | None) -> None:
+    def finish(self, error: EngineError | None) -> None:
         self.done = True
         self.error = error
         if self.waiter is not None and not self.waiter.done():
@@ -144,7 +144,7 @@ class ResponseStream:
         self._request = None
         try:
             self._conn = await self._client.connection(address)
-        except RemoteError as exc:
+        except EngineError as exc:
             self._inbox.finish(exc)
             return
         self._stream_id = self._conn.open_stream(self._inbox, endpoint, payload)
@@ -165,7 +165,7 @@ class RequestPlaneClient:
 
     def stream(self, address: str, endpoint: str, payload: bytes) -> ResponseStream:
         """Call `endpoint` on the worker at `address` ("host:port"); nothing is sent until the
-        first `__anext__`. Failures arrive from the iterator as `RemoteError`."""
+        first `__anext__`. Failures arrive from the iterator as `EngineError`."""
         return ResponseStream(self, address, endpoint, payload)
 
     async def connection(self, address: str) -> _ClientConnection:

@@ -1,7 +1,7 @@
 """The worker side of the request plane: one task per open stream, many per connection.
 
 A handler takes the call's payload and returns an async iterator of response payloads.
-Raising `RemoteError` sends that error; any other exception becomes an `internal` error.
+Raising `EngineError` sends that error; any other exception becomes an `internal` error.
 A `Cancel` frame, or the connection closing, cancels the handler's task; the handler's
 iterator is then closed, so whatever it holds (an engine request, KV blocks) is freed.
 """
@@ -12,16 +12,18 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
+from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.protocol import ErrorCode, WorkerError
 from orchestrator.runtime.request_plane.connection import FrameProtocol
-from orchestrator.runtime.request_plane.errors import RemoteError
 from orchestrator.runtime.request_plane.frames import Call, Cancel, Data, End, Error, Frame, stream_id_of
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[bytes], AsyncIterator[bytes]]
+# An async generator function: the server closes what it returns, so a handler's cleanup runs
+# whether the stream ended, failed or was cancelled.
+Handler = Callable[[bytes], AsyncGenerator[bytes, None]]
 
 
 class _ServerConnection(FrameProtocol):
@@ -72,7 +74,7 @@ class _ServerConnection(FrameProtocol):
         self.send(Error(stream_id, WorkerError(code=code, message=message)))
 
     async def _serve(self, stream_id: int, handler: Handler, payload: bytes) -> None:
-        stream: AsyncIterator[bytes] | None = None
+        stream: AsyncGenerator[bytes, None] | None = None
         try:
             stream = handler(payload)
             async for chunk in stream:
@@ -80,16 +82,15 @@ class _ServerConnection(FrameProtocol):
                 if self.paused:
                     await self.writable()
             self.send(End(stream_id))
-        except RemoteError as exc:
+        except EngineError as exc:
             self.send(Error(stream_id, exc.to_wire()))
         except Exception as exc:
             log.exception("request plane: handler failed on stream %d", stream_id)
             self.send(Error(stream_id, WorkerError(code="internal", message=repr(exc))))
         finally:
             self.tasks.pop(stream_id, None)
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            if stream is not None:
+                await stream.aclose()
 
 
 class RequestPlaneServer:

@@ -1,24 +1,21 @@
 """Typed calls to a worker: what the frontend and the router use.
 
 `TcpWorkerClient` goes over the request plane (endpoints `generate`: msgpack `WorkerRequest`
-in, msgpack `TokenDelta`s out; `kv_snapshot` and `model_files`: one struct out);
-`LocalWorkerClient` calls an in-process engine directly (embedded mode). Both raise
-`RemoteError` for every failure and cancel the request when the delta iterator is closed early.
+in, msgpack `TokenDelta`s out; `kv_snapshot` and `model_files`: one struct out). In embedded
+mode the `WorkerHost` itself is the client. Either raises `EngineError` for every failure and
+cancels the request when the delta stream is closed early.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
 from typing import Protocol
 
 import msgspec
 
-from orchestrator.runtime.engine import Engine, EngineError
-from orchestrator.runtime.model_files import read_model_files
+from orchestrator.runtime.engine import DeltaStream
+from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.protocol import KvSnapshot, ModelFiles, TokenDelta, WorkerRequest, merge_deltas
 from orchestrator.runtime.request_plane.client import RequestPlaneClient, ResponseStream
-from orchestrator.runtime.request_plane.errors import RemoteError
 
 GENERATE = "generate"
 KV_SNAPSHOT = "kv_snapshot"
@@ -31,7 +28,7 @@ _decode_model_files = msgspec.msgpack.Decoder(ModelFiles).decode
 
 
 class WorkerClient(Protocol):
-    def generate(self, request: WorkerRequest) -> AsyncIterator[TokenDelta]: ...
+    def generate(self, request: WorkerRequest) -> DeltaStream: ...
 
     async def kv_snapshot(self) -> KvSnapshot: ...
 
@@ -61,7 +58,7 @@ class _DeltaStream:
             return merge_deltas([_decode_delta(payload), *map(_decode_delta, more)])
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             await self._inner.aclose()
-            raise RemoteError("internal", f"undecodable delta from worker: {exc}") from exc
+            raise EngineError("internal", f"undecodable delta from worker: {exc}") from exc
 
     async def aclose(self) -> None:
         await self._inner.aclose()
@@ -87,43 +84,6 @@ class TcpWorkerClient:
         try:
             return await stream.__anext__()
         except StopAsyncIteration:
-            raise RemoteError("internal", f"worker sent no answer to {endpoint}") from None
+            raise EngineError("internal", f"worker sent no answer to {endpoint}") from None
         finally:
             await stream.aclose()
-
-
-class _LocalDeltaStream:
-    """An engine's delta iterator with EngineError mapped to RemoteError."""
-
-    __slots__ = ("_inner",)
-
-    def __init__(self, inner: AsyncIterator[TokenDelta]) -> None:
-        self._inner = inner
-
-    def __aiter__(self) -> _LocalDeltaStream:
-        return self
-
-    async def __anext__(self) -> TokenDelta:
-        try:
-            return await self._inner.__anext__()
-        except EngineError as exc:
-            raise RemoteError(exc.code, exc.message, exc.retryable) from exc  # type: ignore[arg-type]
-
-    async def aclose(self) -> None:
-        aclose = getattr(self._inner, "aclose", None)
-        if aclose is not None:
-            await aclose()
-
-
-class LocalWorkerClient:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-
-    def generate(self, request: WorkerRequest) -> _LocalDeltaStream:
-        return _LocalDeltaStream(self.engine.generate(request))
-
-    async def kv_snapshot(self) -> KvSnapshot:
-        return self.engine.kv_snapshot()
-
-    async def model_files(self) -> ModelFiles:
-        return await asyncio.to_thread(read_model_files, self.engine.card.model_path)

@@ -59,6 +59,34 @@ def add_frontend_arguments(parser: argparse.ArgumentParser, default_port: int = 
         f"(default {_DEFAULTS.max_retries})",
     )
     http.add_argument(
+        "--read-timeout",
+        type=float,
+        default=_DEFAULTS.read_timeout_s,
+        metavar="SECONDS",
+        help="a request's headers, then its body, must each arrive within this; slower "
+        f"connections are closed (default {_DEFAULTS.read_timeout_s:g})",
+    )
+    http.add_argument(
+        "--max-connections",
+        type=int,
+        default=_DEFAULTS.max_connections,
+        help=f"open HTTP connections beyond this are closed at once (default {_DEFAULTS.max_connections})",
+    )
+    http.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=_DEFAULTS.stream_stall_timeout_s,
+        metavar="SECONDS",
+        help="cancel a response whose client has read nothing for this long "
+        f"(default {_DEFAULTS.stream_stall_timeout_s:g})",
+    )
+    http.add_argument(
+        "--max-stop-strings",
+        type=int,
+        default=_DEFAULTS.max_stop_strings,
+        help=f"most stop strings one request may give (default {_DEFAULTS.max_stop_strings})",
+    )
+    http.add_argument(
         "--api-key",
         default=env_default("WEIR_API_KEY"),
         metavar="KEY",
@@ -87,6 +115,10 @@ def frontend_config(args: argparse.Namespace, namespace: str) -> FrontendConfig:
             router_address=args.router_address,
             request_timeout_s=args.request_timeout,
             max_retries=args.max_retries,
+            read_timeout_s=args.read_timeout,
+            max_connections=args.max_connections,
+            stream_stall_timeout_s=args.stream_stall_timeout,
+            max_stop_strings=args.max_stop_strings,
             log_level=args.log_level,
             api_key=args.api_key,
         )

@@ -1,4 +1,4 @@
-"""The FastAPI app: state created once, thin routes, one error mapping.
+"""The FastAPI app: state created once, thin routes, one error mapping, /openapi.json.
 
 `/v1/chat/completions` and `/v1/completions` are plain-ASGI endpoints (`GenerationRoute`): they
 stream with direct ASGI sends and cancel the request when the client hangs up. The other
@@ -21,7 +21,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.routing import Route
 
-from orchestrator.frontend.asgi import DONE_EVENT, ClientGone, Exchange, Receive, Scope, Send, read_body
+from orchestrator.frontend.asgi import (
+    DONE_EVENT,
+    ClientGone,
+    Exchange,
+    Receive,
+    Scope,
+    Send,
+    StreamStalled,
+    read_body,
+)
 from orchestrator.frontend.auth import ApiKeyMiddleware
 from orchestrator.frontend.config import FrontendConfig
 from orchestrator.frontend.errors import (
@@ -31,7 +40,9 @@ from orchestrator.frontend.errors import (
     error_body,
     to_frontend_error,
 )
+from orchestrator.frontend.http_guard import ABORT_EXTENSION
 from orchestrator.frontend.metrics import Metrics
+from orchestrator.frontend.openapi import WeirApp
 from orchestrator.frontend.registry import ClientFactory, ModelRegistry
 from orchestrator.frontend.responses import ModelInfo, ModelList
 from orchestrator.frontend.serving import Serving
@@ -63,12 +74,14 @@ class GenerationRoute:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         metrics = self.state.metrics
-        ex = Exchange(send)
+        abort = scope.get("extensions", {}).get(ABORT_EXTENSION)
+        ex = Exchange(send, self.state.config.stream_stall_timeout_s, abort)
         self.inflight.inc()
         try:
             config = self.state.config
             try:
-                async with asyncio.timeout(config.request_timeout_s):  # no trickled bodies forever
+                # No trickled bodies forever.
+                async with asyncio.timeout(min(config.read_timeout_s, config.request_timeout_s)):
                     body = await read_body(scope, receive, config.max_body_bytes)
             except TimeoutError:
                 raise BodyTimeout from None
@@ -81,7 +94,7 @@ class GenerationRoute:
             task.uncancel()  # our own watcher cancelled us: the client is gone, not the server
             ex.status = _CLIENT_CLOSED
             metrics.disconnects.inc()
-        except ClientGone:
+        except (ClientGone, StreamStalled):
             ex.status = _CLIENT_CLOSED
             metrics.disconnects.inc()
         except Exception as exc:
@@ -122,7 +135,9 @@ def build_app(
             for close in state.on_close:
                 await close()
 
-    app = FastAPI(title="Weir", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = WeirApp(
+        title="Weir", lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json"
+    )
     app.state.frontend = state
     app.router.routes.append(Route("/v1/chat/completions", GenerationRoute(state, "chat"), methods=["POST"]))
     app.router.routes.append(

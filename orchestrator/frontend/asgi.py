@@ -29,6 +29,10 @@ class ClientGone(Exception):
     """The client disconnected before the request body was read."""
 
 
+class StreamStalled(Exception):
+    """The client stopped reading: one response write did not finish within the stall timeout."""
+
+
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     """The request body, at most `limit` bytes. A larger body raises BodyTooLarge after the
     rest has been discarded chunk by chunk (never held in memory), so the client, which
@@ -57,12 +61,28 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
 
 
 class Exchange:
-    """One HTTP exchange: response state plus the disconnect watcher."""
+    """One HTTP exchange: response state plus the disconnect watcher.
 
-    __slots__ = ("_send", "_watcher", "disconnected", "finished", "started", "status")
+    A write waits while the client's socket buffer is full (uvicorn's flow control), so a slow
+    reader slows its own stream instead of growing a buffer here; one that reads nothing for
+    `stall_timeout_s` has its connection dropped (`abort`, from the server) and the write
+    raises StreamStalled, which ends the handler and closes its worker streams."""
 
-    def __init__(self, send: Send) -> None:
+    __slots__ = (
+        "_abort",
+        "_send",
+        "_stall_timeout_s",
+        "_watcher",
+        "disconnected",
+        "finished",
+        "started",
+        "status",
+    )
+
+    def __init__(self, send: Send, stall_timeout_s: float, abort: Callable[[], None] | None) -> None:
         self._send = send
+        self._stall_timeout_s = stall_timeout_s
+        self._abort = abort
         self._watcher: asyncio.Task[None] | None = None
         self.started = False
         self.finished = False
@@ -87,31 +107,43 @@ class Exchange:
             self._watcher.cancel()
             self._watcher = None
 
+    async def _bounded_send(self, message: Message) -> None:
+        try:
+            async with asyncio.timeout(self._stall_timeout_s):
+                await self._send(message)
+        except TimeoutError:
+            # Dropping the connection (instead of letting the disconnect watcher see it) keeps
+            # the handler's own cleanup from being cancelled halfway.
+            self.stop_watching()
+            if self._abort is not None:
+                self._abort()
+            raise StreamStalled from None
+
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
         self.status = status
-        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+        await self._bounded_send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def write(self, body: bytes) -> None:
-        await self._send({"type": "http.response.body", "body": body, "more_body": True})
+        await self._bounded_send({"type": "http.response.body", "body": body, "more_body": True})
 
     async def finish(self, body: bytes) -> None:
         self.stop_watching()
         self.finished = True
-        await self._send({"type": "http.response.body", "body": body, "more_body": False})
+        await self._bounded_send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def json(self, status: int, body: bytes) -> None:
         self.stop_watching()
         self.started = self.finished = True
         self.status = status
-        await self._send(
+        await self._bounded_send(
             {
                 "type": "http.response.start",
                 "status": status,
                 "headers": [*JSON_HEADERS, (b"content-length", str(len(body)).encode())],
             }
         )
-        await self._send({"type": "http.response.body", "body": body, "more_body": False})
+        await self._bounded_send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def close(self) -> None:
         """Stop the watcher for good (after the handler returned or failed)."""

@@ -25,6 +25,16 @@ class FrontendConfig:
     request_timeout_s: float = 600.0
     # Bodies larger than this get 413 before they are read into memory.
     max_body_bytes: int = 10 * 1024 * 1024
+    # A request's headers, and then its body, must each arrive within this long; a connection
+    # that sends neither (slowloris) is closed (http_guard.py).
+    read_timeout_s: float = 30.0
+    # Open HTTP connections beyond this are closed as they arrive.
+    max_connections: int = 2048
+    # A stream whose client reads nothing for this long (its socket buffer full) is cancelled,
+    # and its worker requests with it, rather than generating into buffers nobody drains.
+    stream_stall_timeout_s: float = 30.0
+    # OpenAI allows 4; agent frameworks send a handful more. Each is searched in every delta.
+    max_stop_strings: int = 16
     # Attempts on other workers after a retryable failure before the first token.
     max_retries: int = 1
     log_level: str = "warning"
@@ -48,6 +58,9 @@ class FrontendConfig:
             raise ValueError("request_timeout_s must be positive")
         if self.max_body_bytes <= 0:
             raise ValueError("max_body_bytes must be positive")
+        for name in ("read_timeout_s", "stream_stall_timeout_s", "max_connections", "max_stop_strings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
         if self.max_retries < 0:
             raise ValueError("max_retries must be >= 0")
         if self.api_key is not None and not self.api_key.strip():

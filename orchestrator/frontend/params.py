@@ -10,6 +10,24 @@ from orchestrator.frontend.errors import InvalidRequest
 from orchestrator.frontend.protocol import INT64_MAX, GenerationRequest
 from orchestrator.runtime.protocol import GuidedSpec, SamplingOptions, WorkerRequest
 
+# n x prompts; each choice is a worker request.
+MAX_CHOICES = 256
+# Every stop string is searched for in every streamed delta of every choice: this bound on
+# their length, with `max_stop_strings` on their number, bounds that work per token.
+MAX_STOP_CHARS = 256
+
+
+def check_limits(req: GenerationRequest, prompt_count: int, max_stop_strings: int) -> None:
+    """The request's size limits: cheap, so they run before anything whose cost grows with the
+    input (templates, tokenizing, hashing)."""
+    if prompt_count * req.n > MAX_CHOICES:
+        raise InvalidRequest(f"at most {MAX_CHOICES} choices (prompts x n) per request", param="n")
+    stops = stop_strings(req)
+    if len(stops) > max_stop_strings:
+        raise InvalidRequest(f"at most {max_stop_strings} stop strings per request", param="stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise InvalidRequest(f"stop strings must be at most {MAX_STOP_CHARS} characters", param="stop")
+
 
 def sampling_options(req: GenerationRequest) -> SamplingOptions:
     opts = SamplingOptions()

@@ -89,7 +89,11 @@ class Preprocessor:
         }
         try:
             return self._template.render(context)
-        except jinja2.TemplateError as exc:
+        except Exception as exc:
+            # Templates index what they expect (`message['content'] + ...`, `tool_call.function`)
+            # without checking it, so a message of another shape fails in arbitrary ways
+            # (TypeError, UndefinedError, the sandbox's SecurityError): all of them are the
+            # messages' fault, not the server's.
             raise ValueError(f"chat template rejected the messages: {exc}") from exc
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:

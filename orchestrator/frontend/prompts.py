@@ -1,16 +1,23 @@
-"""Prompt text -> token ids without stalling the event loop.
+"""Prompts -> token ids without stalling the event loop.
 
-Tokenizing is the one step whose cost grows with client input (about 1.7 us per byte: a 10 MB
-body is seconds of CPU). Two guards keep one huge prompt from holding up everyone else: a
-prompt too long to fit the context whatever its tokens is rejected before tokenizing, and a
-long one is tokenized in a worker thread (`Preprocessor.encode` releases the GIL)."""
+Rendering the chat template and tokenizing are the steps whose cost grows with client input
+(tokenizing is about 1.7 us per byte: a 10 MB body is seconds of CPU). Three guards keep one
+huge request from holding up everyone else: a prompt too long to fit the context whatever its
+tokens is rejected before tokenizing; long prompts (or many short ones) are tokenized in a
+worker thread (`Preprocessor.encode` releases the GIL); and a large conversation is rendered
+in a worker thread too, where pure-Python template code yields the GIL every few milliseconds."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from orchestrator.frontend.errors import InvalidRequest
 from orchestrator.frontend.preprocessor import Preprocessor
+from orchestrator.frontend.protocol import ChatCompletionRequest
+
+# Template variables the request sets itself; chat_template_kwargs may not replace them.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools"})
 
 # Below this many characters, a thread hop costs more than tokenizing in place.
 OFFLOAD_CHARS = 16_384
@@ -25,18 +32,51 @@ def max_prompt_chars(pre: Preprocessor, context_length: int) -> int:
     return context_length * longest * _SLACK
 
 
-async def encode(
-    pre: Preprocessor, text: str, add_special_tokens: bool, max_chars: int, param: str
-) -> list[int]:
+def _check_fits(text: str, max_chars: int, param: str = "prompt") -> None:
     if len(text) > max_chars:
         raise InvalidRequest(
             f"The prompt ({len(text)} characters) cannot fit this model's context.",
             param=param,
             code="context_length_exceeded",
         )
+
+
+async def encode(
+    pre: Preprocessor, text: str, add_special_tokens: bool, max_chars: int, param: str
+) -> list[int]:
+    _check_fits(text, max_chars, param)
     if len(text) < OFFLOAD_CHARS:
         return pre.encode(text, add_special_tokens)
     return await asyncio.to_thread(pre.encode, text, add_special_tokens)
+
+
+async def chat_prompt(pre: Preprocessor, req: ChatCompletionRequest, offload: bool) -> str:
+    """The request's prompt text; InvalidRequest for anything the template cannot take."""
+    kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise InvalidRequest(
+            f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own fields do",
+            param="chat_template_kwargs",
+        )
+    if req.tools:
+        kwargs["tools"] = req.tools
+
+    def render() -> str:
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        return pre.render_chat(messages, req.add_generation_prompt, **kwargs)
+
+    try:
+        return await asyncio.to_thread(render) if offload else render()
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="messages") from exc
+
+
+def prompt_count(prompt: str | list[int] | list[str] | list[list[int]]) -> int:
+    """How many prompts a completion request holds (validated: a list is of one kind)."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
 
 
 async def completion_prompts(
@@ -45,12 +85,17 @@ async def completion_prompts(
     """A completion prompt in any of OpenAI's four shapes, as token id lists."""
     if isinstance(prompt, str):
         return [await encode(pre, prompt, True, max_chars, "prompt")]
-    if all(isinstance(p, int) for p in prompt):
-        batch: list[list[int]] = [prompt]  # type: ignore[list-item]
-    elif all(isinstance(p, str) for p in prompt):
-        return [await encode(pre, p, True, max_chars, "prompt") for p in prompt]  # type: ignore[arg-type]
+    if isinstance(prompt[0], int):
+        batch: list[list[int]] = [prompt]
+    elif isinstance(prompt[0], str):
+        texts: list[str] = prompt
+        for text in texts:
+            _check_fits(text, max_chars)
+        if sum(map(len, texts)) < OFFLOAD_CHARS:
+            return [pre.encode(text, True) for text in texts]
+        return await asyncio.to_thread(lambda: [pre.encode(text, True) for text in texts])
     else:
-        batch = prompt  # type: ignore[assignment]
+        batch = prompt
     for ids in batch:
         if any(not 0 <= t < pre.vocab_size for t in ids):
             raise InvalidRequest(f"prompt token ids must be in [0, {pre.vocab_size})", param="prompt")

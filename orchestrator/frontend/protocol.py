@@ -4,7 +4,9 @@ Only requests are pydantic: they are validated once per request. Responses and s
 are msgspec structs (see `responses.py`), because they are built per token.
 
 Unknown fields are accepted and logged once per field name, as vLLM does, so newer clients
-keep working. vLLM-style extensions (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
+keep working; the log is bounded (`MAX_REPORTED_UNKNOWN` names, each cut to
+`MAX_REPORTED_NAME` characters, one line per request), so clients inventing names cannot fill
+the log or the process's memory. vLLM-style extensions (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
 `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`, `guided_*`,
 `chat_template_kwargs`) are accepted too."""
 
@@ -17,7 +19,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 log = logging.getLogger("weir.frontend")
 
-# Field names already reported; a process-wide set keeps the log to one line per name.
+# Field names already reported; a process-wide set keeps the log to one line per name. Once it
+# holds MAX_REPORTED_UNKNOWN names, new ones are no longer reported (nor remembered).
+MAX_REPORTED_UNKNOWN = 256
+MAX_REPORTED_NAME = 64
+# Names listed in one request's log line; the rest of that request's new names are counted.
+_NAMES_PER_LINE = 8
 _reported_unknown: set[str] = set()
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -28,11 +35,31 @@ class _Lenient(BaseModel):
 
     @model_validator(mode="after")
     def _report_unknown(self) -> _Lenient:
-        for name in self.model_extra or ():
-            if name not in _reported_unknown:
-                _reported_unknown.add(name)
-                log.warning("ignoring unknown field %r in %s (logged once)", name, type(self).__name__)
+        if self.model_extra and len(_reported_unknown) < MAX_REPORTED_UNKNOWN:
+            _report_new_names(type(self).__name__, self.model_extra)
         return self
+
+
+def _report_new_names(model: str, extra: dict[str, Any]) -> None:
+    new: list[str] = []
+    for name in extra:
+        short = name[:MAX_REPORTED_NAME]
+        if short not in _reported_unknown:
+            if len(_reported_unknown) >= MAX_REPORTED_UNKNOWN:
+                break
+            _reported_unknown.add(short)
+            new.append(short)
+    if not new:
+        return
+    more = f" and {len(new) - _NAMES_PER_LINE} more" if len(new) > _NAMES_PER_LINE else ""
+    full = len(_reported_unknown) >= MAX_REPORTED_UNKNOWN
+    log.warning(
+        "ignoring unknown fields %s%s in %s (logged once)%s",
+        new[:_NAMES_PER_LINE],
+        more,
+        model,
+        "; no further unknown fields will be logged" if full else "",
+    )
 
 
 class StreamOptions(_Lenient):

@@ -10,6 +10,7 @@ from fastapi import FastAPI
 
 from orchestrator.frontend.app import build_app
 from orchestrator.frontend.config import FrontendConfig
+from orchestrator.frontend.http_guard import guarded_protocol
 from orchestrator.frontend.registry import ClientFactory
 from orchestrator.runtime.discovery import Discovery
 from orchestrator.runtime.events import EventPlane
@@ -53,7 +54,7 @@ def uvicorn_config(app: FastAPI, config: FrontendConfig) -> uvicorn.Config:
         host=config.host,
         port=config.port,
         loop="uvloop",
-        http="httptools",
+        http=guarded_protocol(config.max_connections, config.read_timeout_s),  # httptools
         lifespan="on",
         access_log=False,  # one line per request costs real CPU at thousands of requests/s
         log_level=config.log_level,

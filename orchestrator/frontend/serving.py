@@ -16,6 +16,7 @@ from orchestrator.frontend.errors import InvalidRequest
 from orchestrator.frontend.formatters import ChatFormatter, ChoiceResult, CompletionFormatter, Formatter
 from orchestrator.frontend.metrics import Metrics
 from orchestrator.frontend.params import (
+    check_limits,
     check_token_ids,
     guided_spec,
     per_choice,
@@ -29,9 +30,6 @@ from orchestrator.frontend.registry import ModelEntry, ModelRegistry
 from orchestrator.runtime.hashing import block_hashes
 from orchestrator.runtime.protocol import WorkerRequest
 
-# n x prompts; each choice is a worker request.
-MAX_CHOICES = 256
-
 
 class Serving:
     def __init__(self, config: FrontendConfig, registry: ModelRegistry, metrics: Metrics) -> None:
@@ -41,18 +39,14 @@ class Serving:
 
     async def chat(self, body: bytes, ex: Exchange) -> None:
         req = ChatCompletionRequest.model_validate_json(body)
+        check_limits(req, 1, self.config.max_stop_strings)
         entry = self.registry.get(req.model)
         pre = entry.require_preprocessor()
         if req.top_logprobs and not req.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
-        kwargs = dict(req.chat_template_kwargs or {})
-        if req.tools:
-            kwargs["tools"] = req.tools
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        try:
-            prompt = pre.render_chat(messages, req.add_generation_prompt, **kwargs)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc), param="messages") from exc
+        # A body that is large is a conversation whose template costs as much as tokenizing it.
+        large = len(body) >= prompts.OFFLOAD_CHARS
+        prompt = await prompts.chat_prompt(pre, req, large)
         ids = await prompts.encode(pre, prompt, False, entry.max_prompt_chars, "messages")
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -71,6 +65,7 @@ class Serving:
 
     async def completions(self, body: bytes, ex: Exchange) -> None:
         req = CompletionRequest.model_validate_json(body)
+        check_limits(req, prompts.prompt_count(req.prompt), self.config.max_stop_strings)
         entry = self.registry.get(req.model)
         pre = entry.require_preprocessor()
         token_ids = await prompts.completion_prompts(pre, req.prompt, entry.max_prompt_chars)
@@ -101,8 +96,6 @@ class Serving:
         prompt_param: str,
         logprobs: int | None,
     ) -> pipeline.Job:
-        if len(prompts) * req.n > MAX_CHOICES:
-            raise InvalidRequest(f"at most {MAX_CHOICES} choices (prompts x n) per request", param="n")
         card = entry.card
         check_token_ids(req, pre.vocab_size)
         sampling = sampling_options(req)

@@ -7,8 +7,8 @@ another thread wait at most for bookkeeping, not for the model.
 
 An aborted request may be part of the step in flight. Its blocks are freed at once (the
 forward still writes them, but nothing can reuse them before the next `schedule()`), while
-its sampler generator and grammar matcher are released only after the step, because the
-sampling phase may be using them.
+its grammar matcher is released only after the step, because the sampling phase may be
+using it.
 """
 
 from __future__ import annotations
@@ -91,7 +91,11 @@ class Engine:
         with self.lock:
             seq = self.scheduler.add(request)
             if grammar is not None:
-                self.guided.add(seq.request_id, grammar)
+                try:  # a migrated request's grammar resumes after the tokens it generated
+                    self.guided.add(seq.request_id, grammar, request.generated_token_ids)
+                except ValueError:
+                    self.scheduler.abort(seq.request_id)
+                    raise
         return seq
 
     def abort(self, request_id: str) -> Sequence | None:
@@ -162,7 +166,6 @@ class Engine:
                 o.finished = True
 
     def _release(self, request_id: str) -> None:
-        self.sampler.release(request_id)
         if self._guided is not None:
             self._guided.release(request_id)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -124,8 +125,16 @@ class GuidedDecoding:
 
     # ------------------------------------------------------------------ per request
 
-    def add(self, request_id: str, compiled: Grammar) -> None:
-        self._matchers[request_id] = compiled.deep_copy()
+    def add(self, request_id: str, compiled: Grammar, consumed: Sequence[int] = ()) -> None:
+        """Start a request's matcher, advanced over `consumed` (a migrated request's tokens so
+        far); ValueError if the grammar rejects them."""
+        matcher = compiled.deep_copy()
+        for token_id in consumed:
+            if not matcher.consume_token(token_id):
+                raise ValueError("the tokens generated so far do not match the request's constraint")
+        self._matchers[request_id] = matcher
+        if consumed and consumed[-1] in self._stop_tokens:
+            self._ended.add(request_id)
 
     def release(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)

@@ -11,9 +11,10 @@ The order follows vLLM v1's sampler, so a request behaves the same on either eng
    generated tokens only,
 4. greedy rows (temperature 0) take the argmax here,
 5. temperature, then min-p, then top-k / top-p,
-6. sampling by inverse CDF: one uniform draw per row, from the request's own
-   ``torch.Generator`` when it is seeded, so a seeded request's tokens do not depend on what
-   else is in the batch.
+6. sampling by inverse CDF: one uniform draw per row. A seeded request's draw for output
+   position i is a function of (seed, i) (`draws.position_uniform`), so its tokens depend
+   neither on what else is in the batch nor on the worker: a request migrated after i tokens
+   continues exactly as it would have.
 
 Each stage runs only when some row in the batch needs it, so an all-greedy batch costs one
 argmax. In deterministic mode rows are processed one at a time, which makes every reduction
@@ -26,6 +27,7 @@ from collections.abc import Iterable
 
 import torch
 
+from backends.deepinfer.draws import position_uniform
 from backends.deepinfer.outputs import SampledToken
 from backends.deepinfer.sequence import Sequence
 from orchestrator.runtime.protocol import SamplingOptions, WorkerRequest
@@ -53,6 +55,7 @@ def validate_request(request: WorkerRequest, vocab_size: int) -> None:
         raise ValueError(f"logprobs must be in [0, 20], got {request.logprobs}")
     for name, ids in (
         ("token_ids", request.token_ids),
+        ("generated_token_ids", request.generated_token_ids),
         ("stop_token_ids", request.stop_token_ids),
         ("logit_bias", list(s.logit_bias or ())),
     ):
@@ -74,11 +77,6 @@ class Sampler:
         self.deterministic = deterministic
         self._seed = seed
         self._generator: torch.Generator | None = None  # unseeded rows, created on the logits' device
-        self._seeded: dict[str, torch.Generator] = {}
-
-    def release(self, request_id: str) -> None:
-        """Forget a finished request's generator."""
-        self._seeded.pop(request_id, None)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         """Sample one token per row; row i belongs to `seqs[i]`. `logits` is (len(seqs), vocab)."""
@@ -160,19 +158,22 @@ class Sampler:
             logits = _apply_top_k_top_p(
                 logits, torch.tensor(k, device=device), torch.tensor([p.top_p for p in params], device=device)
             )
-        # Inverse-CDF sampling: one uniform draw per row. A seeded request draws from its own
-        # generator, so its tokens do not depend on its neighbours. (vLLM's exponential race
-        # needs a draw per vocabulary entry, ~30x slower on CPU at a 49k vocabulary.)
+        # Inverse-CDF sampling: one uniform draw per row. A seeded row's draw is a function of
+        # (seed, output position), so its tokens depend on neither its neighbours nor the
+        # worker. (vLLM's exponential race needs a draw per vocabulary entry, ~30x slower on CPU
+        # at a 49k vocabulary.)
         u = torch.empty(len(params), 1, device=device)
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
         if unseeded:
             draws = torch.rand(len(unseeded), 1, device=device, generator=self._default_generator(device))
             u[unseeded] = draws
-        for i, (seq, p) in enumerate(zip(seqs, params, strict=True)):
-            if p.seed is not None:
-                u[i] = torch.rand(
-                    1, device=device, generator=self._seeded_generator(seq.request_id, p.seed, device)
-                )
+        seeded = [
+            (i, position_uniform(p.seed, seq.num_completion_tokens))
+            for i, (seq, p) in enumerate(zip(seqs, params, strict=True))
+            if p.seed is not None
+        ]
+        if seeded:
+            u[[i for i, _ in seeded]] = torch.tensor([[v] for _, v in seeded], device=device)
         cdf = torch.softmax(logits, dim=-1).cumsum_(dim=-1)
         # right=True: the first index whose cumulative mass exceeds the draw, so a token of
         # probability zero is never chosen.
@@ -184,13 +185,6 @@ class Sampler:
             self._generator = torch.Generator(device=device)
             self._generator.manual_seed(self._seed)
         return self._generator
-
-    def _seeded_generator(self, request_id: str, seed: int, device: torch.device) -> torch.Generator:
-        gen = self._seeded.get(request_id)
-        if gen is None:
-            gen = self._seeded[request_id] = torch.Generator(device=device)
-            gen.manual_seed(seed)
-        return gen
 
 
 # ---------------------------------------------------------------------- stages as pure functions

@@ -223,9 +223,18 @@ class Scheduler:
             raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
         if request.min_tokens < 0 or request.min_tokens > request.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {request.min_tokens}")
+        if len(request.generated_token_ids) >= request.max_tokens:
+            raise ValueError(
+                f"{len(request.generated_token_ids)} tokens were already generated; max_tokens is "
+                f"{request.max_tokens}, so nothing is left to generate"
+            )
         prompt = len(request.token_ids)
-        if self.max_model_len and prompt >= self.max_model_len:
-            raise ValueError(f"the prompt has {prompt} tokens; this model's limit is {self.max_model_len}")
+        resumed = prompt + len(request.generated_token_ids)
+        if self.max_model_len and resumed >= self.max_model_len:
+            raise ValueError(
+                f"the prompt (with the tokens generated so far) has {resumed} tokens; "
+                f"this model's limit is {self.max_model_len}"
+            )
         extent = prompt + request.max_tokens
         if self.max_model_len:
             extent = min(extent, self.max_model_len)

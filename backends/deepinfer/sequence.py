@@ -36,7 +36,8 @@ class Sequence:
     def __init__(self, request: WorkerRequest) -> None:
         self.request = request
         self.request_id = request.request_id
-        self.token_ids: list[int] = list(request.token_ids)
+        # A migrated request resumes after the tokens it already generated elsewhere.
+        self.token_ids: list[int] = [*request.token_ids, *request.generated_token_ids]
         self.num_prompt_tokens = len(request.token_ids)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []

@@ -18,6 +18,7 @@ from statistics import NormalDist
 import xxhash
 
 from backends.deepinfer.config import EngineConfig
+from backends.deepinfer.draws import position_bits
 from backends.deepinfer.outputs import SampledToken
 from backends.deepinfer.scheduler import Scheduler
 from backends.deepinfer.sequence import Sequence
@@ -31,7 +32,6 @@ from orchestrator.runtime.protocol import (
     WorkerRequest,
 )
 
-_M64 = (1 << 64) - 1
 _STANDARD_NORMAL = NormalDist()
 
 
@@ -95,7 +95,7 @@ class MockerCore:
             return max(1, round(mean))
         # Position -1 of the seed's token stream, which no token uses, so the length does not
         # follow from any token; mapped into (0, 1).
-        u = (_bits(seed, -1) + 0.5) / 2.0**64
+        u = (position_bits(seed, -1) + 0.5) / 2.0**64
         if config.output_length_distribution == "geometric":
             # Every token is EOS with probability 1/mean: memoryless, many short answers.
             if mean <= 1:
@@ -170,15 +170,9 @@ class MockerCore:
 
 def _token(seed: int, position: int, vocab_size: int) -> int:
     """The token at `position`: a function of (seed, position) only, so the same seed gives
-    the same tokens whatever else runs, and a preempted sequence regenerates nothing."""
-    return _bits(seed, position) % vocab_size
-
-
-def _bits(seed: int, position: int) -> int:
-    """64 pseudo-random bits for (seed, position)."""
-    x = (seed + position * 0x9E3779B97F4A7C15) & _M64  # splitmix64's mixer
-    x = ((x ^ (x >> 31)) * 0xBF58476D1CE4E5B9) & _M64
-    return x ^ (x >> 29)
+    the same tokens whatever else runs, a preempted sequence regenerates nothing, and a
+    migrated one (resumed after its generated tokens) continues exactly."""
+    return position_bits(seed, position) % vocab_size
 
 
 def _usage(seq: Sequence) -> Usage:

@@ -77,6 +77,11 @@ class WorkerRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     priority: int = 0
     cache_salt: str | None = None
     kv_transfer: KvTransfer | None = None
+    # Request migration: the tokens an earlier worker already streamed for this request, to be
+    # continued, not repeated. The engine prefills token_ids + generated_token_ids and counts
+    # them as output: toward max_tokens and min_tokens, in penalties and the grammar state,
+    # in usage.completion_tokens, and as the positions that seeded sampling draws for.
+    generated_token_ids: list[int] = []
 
 
 class TopLogprob(msgspec.Struct, array_like=True):

@@ -138,7 +138,13 @@ def test_seeded_rows_ignore_their_batch() -> None:
     def run(rows: list[int], seqs_for: dict[int, Sequence], steps: int) -> list[list[int]]:
         sampler = Sampler(VOCAB, [EOS], seed=123)
         seqs = [seqs_for[r] for r in rows]
-        return [[t.token_id for t in sampler(logits[rows], seqs)] for _ in range(steps)]
+        out: list[list[int]] = []
+        for _ in range(steps):
+            step = [t.token_id for t in sampler(logits[rows], seqs)]
+            for seq, token_id in zip(seqs, step, strict=True):  # the next draw is for the next position
+                seq.token_ids.append(token_id)
+            out.append(step)
+        return out
 
     def fresh() -> dict[int, Sequence]:
         return {r: make_seq(f"r{r}", temperature=1.0, seed=r if r == 0 else None) for r in range(6)}

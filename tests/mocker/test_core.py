@@ -276,3 +276,25 @@ def test_the_length_depends_on_the_seed_only() -> None:
         busy.add(request(f"other{i}", prompt=300, max_tokens=30, ignore_eos=False))
     busy.add(request("b", seed=seed, max_tokens=10_000, ignore_eos=False))
     assert tokens_of(drain(alone)["a"]) == tokens_of(drain(busy)["b"])
+
+
+@pytest.mark.parametrize(
+    ("seed", "ignore_eos", "min_tokens"), [(7, True, 0), (None, True, 0), (11, False, 0), (13, False, 30)]
+)
+def test_a_migrated_request_continues_exactly(seed: int | None, ignore_eos: bool, min_tokens: int) -> None:
+    config = MockerConfig(output_length_mean=20)  # EOS after ~20 tokens when it is not ignored
+    whole_out = drain_one(MockerCore(config), request("m", 70, 60, seed, ignore_eos, min_tokens=min_tokens))
+    whole = tokens_of(whole_out)
+    cut = min(9, len(whole) - 1)
+    resumed_out = drain_one(
+        MockerCore(config),
+        request("m", 70, 60, seed, ignore_eos, min_tokens=min_tokens, generated_token_ids=whole[:cut]),
+    )
+    assert whole[:cut] + tokens_of(resumed_out) == whole
+    assert resumed_out[-1].finish_reason == whole_out[-1].finish_reason
+    assert resumed_out[-1].usage == whole_out[-1].usage  # completion_tokens counts the earlier ones
+
+
+def drain_one(core: MockerCore, req: WorkerRequest) -> list[RequestOutput]:
+    core.add(req)
+    return drain(core)[req.request_id]

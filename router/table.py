@@ -8,12 +8,19 @@ known but gets no requests. Each model's `ModelRoutes` holds its `Router`, the
 `RouterSubscriber` feeding it (when there is an event plane), a `RemoteRouter` when a
 standalone router decides, and one client per worker, through which snapshots are fetched.
 
+Each model's `ModelRoutes` also keeps a circuit breaker per worker: a worker whose connection
+was refused or lost (`trip`) is left out of every decision at once, not only the failed
+request's, for a back-off of 1 s doubling to 10 s on each failed probe; the first request
+placed on it after that is the probe. A successful call (`restore`) or a new discovery record
+for the worker closes the breaker; the etcd lease stays the authority for removing it.
+
 What else a model carries (the frontend's preprocessor and metrics) belongs to the owner: it
 subclasses `RoutingTable` and builds its per-model value in `_new_model`."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -23,13 +30,25 @@ from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.events import EventPlane
 from orchestrator.runtime.protocol import Instance, KvSnapshot, ModelCard
 from orchestrator.runtime.request_plane import RequestPlaneClient, WorkerClient
-from router.protocols import Decision, RouteRequest
+from router.protocols import Decision, NoWorkerAvailable, RouteRequest
 from router.remote import RemoteRouter
 from router.router import Router
 from router.subscriber import RouterSubscriber
 
 # Roles that take whole requests; prefill/decode pools need the disaggregated path.
 ROUTABLE_ROLES = ("aggregated",)
+BREAKER_BACKOFF_S = 1.0  # a tripped worker's first back-off, doubled after each failed probe
+BREAKER_MAX_BACKOFF_S = 10.0
+
+
+@dataclass(slots=True)
+class _Trip:
+    """An open breaker: no decision names the worker before `retry_at`, unless every worker left
+    is tripped. `probing`: a request was placed on it after its back-off, and has not ended."""
+
+    backoff_s: float
+    retry_at: float
+    probing: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -42,6 +61,8 @@ class ModelRoutes:
     remote: RemoteRouter | None = None
     plane: RequestPlaneClient | None = None  # the remote router's connection, closed with the model
     workers: dict[str, WorkerClient] = field(default_factory=dict)
+    clock: Callable[[], float] = time.monotonic
+    trips: dict[str, _Trip] = field(default_factory=dict)  # workers whose breaker is open
 
     async def subscribe(self, events: EventPlane, namespace: str) -> None:
         """Feed the router from the event plane. Called before the first worker is added, so it
@@ -50,10 +71,50 @@ class ModelRoutes:
         await self.subscriber.start()
 
     async def select(self, request: RouteRequest, exclude: Collection[str] = ()) -> Decision:
-        """The decision for `request`, never naming one of `exclude` (they already failed it)."""
+        """The decision for `request`, never naming one of `exclude` (they already failed it)
+        and avoiding tripped workers; when nothing else is left, the tripped one whose back-off
+        ends first (the least recently tripped), then any, rather than no decision."""
+        now = self.clock()
+        tripped = {w for w, trip in self.trips.items() if now < trip.retry_at and w not in exclude}
+        if not tripped:
+            decision = await self._select(request, exclude)
+        else:
+            try:
+                decision = await self._select(request, {*exclude, *tripped})
+            except NoWorkerAvailable:
+                oldest = min(tripped, key=lambda w: self.trips[w].retry_at)
+                try:
+                    decision = await self._select(request, {*exclude, *(tripped - {oldest})})
+                except NoWorkerAvailable:
+                    decision = await self._select(request, exclude)
+        trip = self.trips.get(decision.worker_id)
+        if trip is not None:  # the probe: others keep away until it ends
+            trip.probing = True
+            trip.retry_at = now + trip.backoff_s
+        return decision
+
+    async def _select(self, request: RouteRequest, exclude: Collection[str]) -> Decision:
         if self.remote is not None:
             return await self.remote.select(request, exclude)
         return self.router.select(request, exclude)
+
+    def trip(self, worker_id: str) -> bool:
+        """`worker_id`'s connection was refused or lost: leave it out of decisions for its
+        back-off. True when this opened the breaker (not when it was open already, as when
+        many requests on the same lost connection fail together)."""
+        if worker_id not in self.workers:
+            return False
+        now = self.clock()
+        trip = self.trips.get(worker_id)
+        if trip is not None and not trip.probing and now < trip.retry_at:
+            return False
+        backoff = BREAKER_BACKOFF_S if trip is None else min(2 * trip.backoff_s, BREAKER_MAX_BACKOFF_S)
+        self.trips[worker_id] = _Trip(backoff, now + backoff)
+        return True
+
+    def restore(self, worker_id: str) -> None:
+        """A call to `worker_id` succeeded, or discovery wrote its record again: close its breaker."""
+        self.trips.pop(worker_id, None)
 
     def on_finish(self, worker_id: str, request_id: str) -> None:
         (self.remote or self.router).on_finish(worker_id, request_id)
@@ -65,6 +126,7 @@ class ModelRoutes:
 
     def remove_worker(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
+        self.trips.pop(worker_id, None)
         self.router.remove_worker(worker_id)
 
     async def fetch_snapshot(self, worker_id: str) -> KvSnapshot:
@@ -133,7 +195,9 @@ class RoutingTable(Generic[M]):
         known = self.instances.get(instance.instance_id)
         if known is not None and known.card == card and known.address == instance.address:
             self.instances[instance.instance_id] = instance
-            self._routes(self.models[card.name]).router.set_draining(instance.instance_id, instance.draining)
+            routes = self._routes(self.models[card.name])
+            routes.router.set_draining(instance.instance_id, instance.draining)
+            routes.restore(instance.instance_id)  # it registered again: worth a try at once
             return
         if known is not None:  # restarted elsewhere, or now serving something else
             await self.remove_worker(instance.instance_id)

@@ -52,11 +52,13 @@ def add_frontend_arguments(parser: argparse.ArgumentParser, default_port: int = 
         help=f"wall-clock limit per request (default {_DEFAULTS.request_timeout_s:g})",
     )
     http.add_argument(
-        "--max-retries",
+        "--migration-limit",
         type=int,
-        default=_DEFAULTS.max_retries,
-        help=f"retries on another worker after a retryable failure before the first token "
-        f"(default {_DEFAULTS.max_retries})",
+        default=_DEFAULTS.migration_limit,
+        metavar="N",
+        help="times one request may move to another worker when its worker fails (connection lost "
+        "or refused, or the worker overloaded), continuing after the tokens already streamed; "
+        f"0 disables (default {_DEFAULTS.migration_limit})",
     )
     http.add_argument(
         "--read-timeout",
@@ -114,7 +116,7 @@ def frontend_config(args: argparse.Namespace, namespace: str) -> FrontendConfig:
             router_params=router_params(args),
             router_address=args.router_address,
             request_timeout_s=args.request_timeout,
-            max_retries=args.max_retries,
+            migration_limit=args.migration_limit,
             read_timeout_s=args.read_timeout,
             max_connections=args.max_connections,
             stream_stall_timeout_s=args.stream_stall_timeout,

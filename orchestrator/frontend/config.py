@@ -35,8 +35,9 @@ class FrontendConfig:
     stream_stall_timeout_s: float = 30.0
     # OpenAI allows 4; agent frameworks send a handful more. Each is searched in every delta.
     max_stop_strings: int = 16
-    # Attempts on other workers after a retryable failure before the first token.
-    max_retries: int = 1
+    # Request migration (dispatch.py): how many times one request may move to another worker
+    # after a retryable failure, continuing after the tokens already streamed. 0: never.
+    migration_limit: int = 3
     log_level: str = "warning"
     # Tokenizers fetched from workers whose model directory is not on this machine
     # (tokenizer_files.py); None: $WEIR_CACHE_DIR/tokenizers, else ~/.cache/weir/tokenizers.
@@ -61,7 +62,7 @@ class FrontendConfig:
         for name in ("read_timeout_s", "stream_stall_timeout_s", "max_connections", "max_stop_strings"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        if self.max_retries < 0:
-            raise ValueError("max_retries must be >= 0")
+        if self.migration_limit < 0:
+            raise ValueError("migration_limit must be >= 0")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty or blank; leave it unset to accept any request")

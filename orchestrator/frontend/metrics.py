@@ -24,6 +24,13 @@ class ModelMetrics:
         self.input_tokens = metrics.input_tokens.labels(model)
         self.output_tokens = metrics.output_tokens.labels(model)
         self.cached_tokens = metrics.cached_tokens.labels(model)
+        self.breaker_trips = metrics.breaker_trips.labels(model)
+        self._migrations = metrics.migrations
+        self._model = model
+
+    def migrated(self, reason: str) -> None:
+        # Rare (a worker failed), so the label lookup happens here, not at bind time.
+        self._migrations.labels(self._model, reason).inc()
 
     def finished(self, ttft: float | None, e2e: float, prompt: int, completion: int, cached: int) -> None:
         if ttft is not None:
@@ -47,7 +54,18 @@ class Metrics:
             "weir_frontend_inflight_requests", "Requests being served", ["endpoint"], registry=r
         )
         self.errors = Counter("weir_frontend_errors", "Failed requests by error type", ["type"], registry=r)
-        self.retries = Counter("weir_frontend_retries", "Requests retried on another worker", registry=r)
+        self.migrations = Counter(
+            "weir_frontend_migrations",
+            "Requests moved to another worker after a retryable failure, by the error's code",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.breaker_trips = Counter(
+            "weir_frontend_circuit_breaker_trips",
+            "Workers left out of routing after a refused or lost connection",
+            ["model"],
+            registry=r,
+        )
         self.disconnects = Counter(
             "weir_frontend_client_disconnects", "Requests cancelled by the client hanging up", registry=r
         )

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 from orchestrator.frontend import dispatch
 from orchestrator.frontend.formatters import ChoiceOutput
-from orchestrator.frontend.metrics import Metrics
 from orchestrator.frontend.preprocessor import Preprocessor
 from orchestrator.frontend.registry import ModelEntry
 from orchestrator.frontend.responses import PromptTokensDetails, UsageInfo
@@ -40,8 +39,7 @@ class Job:
     choices: list[ChoiceState]
     stops: list[str]
     n: int  # choices per prompt
-    max_retries: int
-    metrics: Metrics
+    migration_limit: int
     include_stop: bool = False  # vLLM's include_stop_str_in_output
     skip_special_tokens: bool = True
     arrived: float = field(default_factory=time.perf_counter)
@@ -70,7 +68,7 @@ async def run_choice(job: Job, choice: ChoiceState) -> Outputs:
     detok = job.preprocessor.detokenizer(job.skip_special_tokens)
     stop = StopStringMatcher(job.stops, job.include_stop) if job.stops else None
     index = choice.index
-    deltas = dispatch.generate(job.entry, request, route, job.max_retries, job.metrics)
+    deltas = dispatch.generate(job.entry, request, route, job.migration_limit)
     try:
         async for delta in deltas:
             if job.first_token_at is None:

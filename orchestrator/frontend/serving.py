@@ -132,8 +132,7 @@ class Serving:
             choices,
             stop_strings(req),
             req.n,
-            self.config.max_retries,
-            self.metrics,
+            self.config.migration_limit,
             include_stop=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
         )

@@ -22,6 +22,7 @@ from tests.waiting import wait_until
 pytestmark = pytest.mark.slow
 
 WORKERS = ("worker-a", "worker-b")
+MIGRATED = f'model="{DEFAULT_MODEL}",reason="unavailable"'
 
 
 class PingCluster(Cluster):
@@ -63,15 +64,15 @@ def test_killed_worker_stops_receiving_requests_within_lease_ttl(
     assert gone_after <= LEASE_TTL + 2.0
     print(
         f"worker-a left the frontend {gone_after:.2f} s after SIGKILL; "
-        f"{c.frontend_metric('weir_frontend_retries_total'):.0f} requests failed over meanwhile"
+        f"{c.frontend_metric('weir_frontend_migrations_total', MIGRATED):.0f} requests failed over meanwhile"
     )
 
-    # From now on nothing is routed to worker-a: no retries, every request served by worker-b.
-    retries = c.frontend_metric("weir_frontend_retries_total")
+    # From now on nothing is routed to worker-a: no migrations, every request served by worker-b.
+    migrations = c.frontend_metric("weir_frontend_migrations_total", MIGRATED)
     before = c.served_by("worker-b")
     for _ in range(10):
         c.complete()
-    assert c.frontend_metric("weir_frontend_retries_total") == retries
+    assert c.frontend_metric("weir_frontend_migrations_total", MIGRATED) == migrations
     assert c.served_by("worker-b") == before + 10
     assert c.frontend_metric("weir_frontend_workers") == 1
 

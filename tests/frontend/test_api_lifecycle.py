@@ -72,8 +72,11 @@ def test_health_follows_workers_and_models_follow_discovery(model_dir: Path) -> 
         assert out.choices
 
 
-def test_unreachable_worker_is_retried_on_another(model_dir: Path) -> None:
-    with live_frontend(model_dir, num_workers=1, router_mode="round-robin") as live:
+@pytest.mark.parametrize("migration_limit", [3, 0])
+def test_unreachable_worker_is_retried_on_another(model_dir: Path, migration_limit: int) -> None:
+    with live_frontend(
+        model_dir, num_workers=1, router_mode="round-robin", migration_limit=migration_limit
+    ) as live:
         (worker_id,) = live.engines
         card: ModelCard = live.engines[worker_id].card
         # A worker registered at a port nothing listens on: its connection fails, retryably.
@@ -83,10 +86,24 @@ def test_unreachable_worker_is_retried_on_another(model_dir: Path) -> None:
         live.call(lambda: live.discovery.register(ghost))
         wait_until(lambda: httpx.get(f"{live.url}/health").json()["workers"] == 2)
         client = _client(live)
-        for _ in range(4):  # round-robin sends at least every other one to the ghost first
+        if migration_limit == 0:  # no migration: whoever the ghost gets fails
+            outcomes = []
+            for _ in range(2):  # round-robin sends one of the two to the ghost
+                try:
+                    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+                    outcomes.append("ok")
+                except openai.APIStatusError as exc:
+                    outcomes.append(exc.status_code)
+            assert sorted(outcomes, key=str) == [503, "ok"]
+            assert _metric(live, "weir_frontend_migrations_total{") == 0
+            return
+        for _ in range(4):  # round-robin would send every other one to the ghost
             out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
             assert out.choices[0].finish_reason in ("length", "stop")
-        assert _metric(live, "weir_frontend_retries_total") >= 2
+        # Its refused connection trips its breaker: later requests do not try it first.
+        assert _metric(live, 'weir_frontend_migrations_total{model="mock-model",reason="unavailable"}') >= 1
+        trips = _metric(live, "weir_frontend_circuit_breaker_trips_total{")
+        assert 1 <= trips <= _metric(live, "weir_frontend_migrations_total{")
 
 
 def test_metrics_count_requests_tokens_and_latency(model_dir: Path) -> None:

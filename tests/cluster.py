@@ -43,9 +43,10 @@ def known_workers(frontend: str) -> int:
 
 
 def start_workers(
-    stack: ExitStack, plane_args: list[str], tmp_path: Path, names: tuple[str, ...]
+    stack: ExitStack, plane_args: list[str], tmp_path: Path, names: tuple[str, ...], speedup: float = 1000
 ) -> tuple[Procs, dict[str, str]]:
-    """Mocker worker processes with instance ids `names`: their processes and metrics base URLs."""
+    """Mocker worker processes with instance ids `names`: their processes and metrics base URLs.
+    `speedup` divides the mocker's simulated step times (1: about 6 ms per decode step)."""
     procs: Procs = {}
     metrics: dict[str, str] = {}
     for name in names:
@@ -53,7 +54,7 @@ def start_workers(
         procs[name] = stack.enter_context(
             weir_process(
                 "worker",
-                *("--backend", "mocker", "--speedup", "1000"),
+                *("--backend", "mocker", "--speedup", str(speedup)),
                 *plane_args,
                 *("--instance-id", name, "--lease-ttl", str(LEASE_TTL), "--metrics-port", str(port)),
                 log=tmp_path / f"{name}.log",

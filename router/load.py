@@ -75,6 +75,7 @@ class LoadTracker:
         load.active_requests = report.active_requests
         load.waiting_requests = report.waiting_requests
         load.active_blocks = report.active_blocks
+        load.queued_prefill_tokens = report.queued_prefill_tokens
         load.total_blocks = report.total_blocks or load.total_blocks
         load.refresh()
         if report.draining:

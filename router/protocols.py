@@ -36,6 +36,7 @@ class WorkerLoad:
     waiting_requests: int = 0
     active_blocks: int = 0
     total_blocks: int = 0
+    queued_prefill_tokens: int = 0  # from the last report: prompt tokens waiting for prefill
     draining: bool = False
     inflight_requests: int = 0
     inflight_blocks: int = 0

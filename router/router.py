@@ -112,6 +112,8 @@ class Router:
         self.workers = self.loads.workers
         # Set by the subscriber to share in-flight load with replica routers.
         self.on_inflight: Callable[[InflightUpdate], None] | None = None
+        # Set by the frontend's admission control: a report may show a worker with room again.
+        self.on_load: Callable[[], None] | None = None
         m = metrics or default_metrics()
         self.metrics = m
         self.model = model
@@ -208,6 +210,8 @@ class Router:
     def apply_load(self, report: LoadReport) -> bool:
         """True when the report shows the worker's KV events have a gap (resync it)."""
         self.loads.apply_report(report)
+        if self.on_load is not None:
+            self.on_load()
         if isinstance(self.index, KvIndexer) and report.kv_event_id and report.worker_id in self.workers:
             return self.index.observe_event_id(report.worker_id, report.kv_event_id)
         return False

@@ -10,8 +10,6 @@ import argparse
 import asyncio
 from collections.abc import Callable, Mapping
 
-import uvicorn
-
 from orchestrator.cli.options import (
     add_cluster_planes,
     add_log_level,
@@ -22,7 +20,7 @@ from orchestrator.cli.options import (
     setup_logging,
 )
 from orchestrator.frontend.config import REMOTE_FALLBACK_MODE, ROUTER_MODES, FrontendConfig
-from orchestrator.frontend.server import create_app, uvicorn_config
+from orchestrator.frontend.server import FrontendServer, create_app
 from orchestrator.runtime.discovery import Discovery, make_discovery
 from orchestrator.runtime.events import EventPlane, make_event_plane
 from orchestrator.runtime.request_plane import WorkerClient
@@ -96,6 +94,15 @@ def add_frontend_arguments(parser: argparse.ArgumentParser, default_port: int = 
         "(env WEIR_API_KEY, better than the flag, which other users see in the process list; "
         "default: no key)",
     )
+    http.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=_DEFAULTS.drain_timeout_s,
+        metavar="SECONDS",
+        help="on SIGTERM, how long in-flight requests may take to finish; the rest then end with "
+        f"an error event (streams) or a 503 (default {_DEFAULTS.drain_timeout_s:g})",
+    )
+    _add_admission_arguments(parser)
     routing = add_router_arguments(parser, ROUTER_MODES, _DEFAULTS.router_mode)
     routing.add_argument(
         "--router-address",
@@ -103,6 +110,40 @@ def add_frontend_arguments(parser: argparse.ArgumentParser, default_port: int = 
         metavar="HOST:PORT",
         help="remote mode: the request-plane address of a standalone `weir router`; while it cannot "
         f"be reached the frontend routes {REMOTE_FALLBACK_MODE} by itself (env WEIR_ROUTER_ADDRESS)",
+    )
+
+
+def _add_admission_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "admission control", "requests wait in a bounded queue per model while every worker is busy"
+    )
+    group.add_argument(
+        "--active-decode-blocks-threshold",
+        type=float,
+        default=_DEFAULTS.active_decode_blocks_threshold,
+        metavar="FRACTION",
+        help="a worker with this fraction of its KV blocks in use is busy (default: off)",
+    )
+    group.add_argument(
+        "--active-prefill-tokens-threshold",
+        type=int,
+        default=_DEFAULTS.active_prefill_tokens_threshold,
+        metavar="TOKENS",
+        help="a worker with this many prompt tokens waiting for prefill is busy (default: off)",
+    )
+    group.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=_DEFAULTS.max_queued_requests,
+        help="requests that may wait per model while all its workers are busy; more get 429 "
+        f"(default {_DEFAULTS.max_queued_requests})",
+    )
+    group.add_argument(
+        "--max-queue-wait",
+        type=float,
+        default=_DEFAULTS.max_queue_wait_s,
+        metavar="SECONDS",
+        help=f"longest wait for admission before 429 (default {_DEFAULTS.max_queue_wait_s:g})",
     )
 
 
@@ -117,6 +158,11 @@ def frontend_config(args: argparse.Namespace, namespace: str) -> FrontendConfig:
             router_address=args.router_address,
             request_timeout_s=args.request_timeout,
             migration_limit=args.migration_limit,
+            drain_timeout_s=args.drain_timeout,
+            active_decode_blocks_threshold=args.active_decode_blocks_threshold,
+            active_prefill_tokens_threshold=args.active_prefill_tokens_threshold,
+            max_queued_requests=args.max_queued_requests,
+            max_queue_wait_s=args.max_queue_wait,
             read_timeout_s=args.read_timeout,
             max_connections=args.max_connections,
             stream_stall_timeout_s=args.stream_stall_timeout,
@@ -164,9 +210,10 @@ async def serve_http(
     local_workers: Mapping[str, WorkerClient] | None = None,
     banner: Callable[[str], str] = lambda url: f"weir frontend on {url}",
 ) -> None:
-    """Serve HTTP until SIGINT/SIGTERM or `stop` (uvicorn drains open requests first), printing
-    one line once the socket is bound: with --port 0 the line is how a caller learns the port."""
-    server = uvicorn.Server(uvicorn_config(create_app(config, discovery, events, local_workers), config))
+    """Serve HTTP until SIGINT/SIGTERM or `stop` (in-flight requests get --drain-timeout to
+    finish first), printing one line once the socket is bound: with --port 0 the line is how a
+    caller learns the port."""
+    server = FrontendServer(create_app(config, discovery, events, local_workers), config)
     serving = asyncio.create_task(server.serve())
     while not server.started and not serving.done():
         await asyncio.sleep(0.02)

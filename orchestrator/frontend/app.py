@@ -33,10 +33,12 @@ from orchestrator.frontend.asgi import (
 )
 from orchestrator.frontend.auth import ApiKeyMiddleware
 from orchestrator.frontend.config import FrontendConfig
+from orchestrator.frontend.drain import Drain
 from orchestrator.frontend.errors import (
     BodyTimeout,
     FrontendError,
     InvalidRequest,
+    ShuttingDown,
     error_body,
     to_frontend_error,
 )
@@ -61,6 +63,7 @@ class FrontendState:
     registry: ModelRegistry
     serving: Serving
     on_close: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    drain: Drain = field(default_factory=Drain)
 
 
 class GenerationRoute:
@@ -76,8 +79,14 @@ class GenerationRoute:
         metrics = self.state.metrics
         abort = scope.get("extensions", {}).get(ABORT_EXTENSION)
         ex = Exchange(send, self.state.config.stream_stall_timeout_s, abort)
+        drain = self.state.drain
+        task = asyncio.current_task()
+        assert task is not None  # uvicorn runs each request in a task of its own
+        drain.track(task)
         self.inflight.inc()
         try:
+            if drain.draining:
+                raise ShuttingDown
             config = self.state.config
             try:
                 # No trickled bodies forever.
@@ -88,26 +97,37 @@ class GenerationRoute:
             ex.watch_disconnect(receive)
             await self.handler(body, ex)
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if not ex.disconnected or task is None:
+            # Our own cancellations (the watcher's: the client is gone; the drain's: the server
+            # is stopping) end the request here; any other is the server's and propagates.
+            if not ex.disconnected and task not in drain.cut_tasks:
                 raise
-            task.uncancel()  # our own watcher cancelled us: the client is gone, not the server
-            ex.status = _CLIENT_CLOSED
-            metrics.disconnects.inc()
+            task.uncancel()
+            if ex.disconnected:
+                ex.status = _CLIENT_CLOSED
+                metrics.disconnects.inc()
+            else:
+                await self._fail(ex, ShuttingDown())
         except (ClientGone, StreamStalled):
             ex.status = _CLIENT_CLOSED
             metrics.disconnects.inc()
         except Exception as exc:
-            err = to_frontend_error(exc)
-            metrics.errors.labels(err.type).inc()
-            if not ex.started:
-                await ex.json(err.status, error_body(err))
-            elif not ex.finished:  # mid-stream: the status is sent already, report in the stream
-                await ex.finish(b"data: " + error_body(err) + b"\n\n" + DONE_EVENT)
+            await self._fail(ex, to_frontend_error(exc))
         finally:
             await ex.close()
             self.inflight.dec()
+            drain.untrack(task)
             metrics.request_done(self.endpoint, ex.status)
+
+    async def _fail(self, ex: Exchange, err: FrontendError) -> None:
+        self.state.metrics.errors.labels(err.type).inc()
+        if not ex.started:
+            await ex.json(err.status, error_body(err), err.headers)
+            return
+        # Mid-stream the 200 is sent already: report the error in the stream, and count the
+        # request by the status its error maps to, not as the success its header claimed.
+        ex.status = err.status
+        if not ex.finished:
+            await ex.finish(b"data: " + error_body(err) + b"\n\n" + DONE_EVENT)
 
 
 def build_app(
@@ -159,8 +179,10 @@ def _add_routes(app: FastAPI, state: FrontendState) -> None:
     @app.get("/health")
     async def health() -> Response:
         workers = state.registry.worker_count
-        body = msgspec.json.encode({"status": "ok" if workers else "no workers", "workers": workers})
-        return Response(body, status_code=200 if workers else 503, media_type="application/json")
+        # Draining fails readiness first, so load balancers stop sending before streams are cut.
+        status = "draining" if state.drain.draining else "ok" if workers else "no workers"
+        body = msgspec.json.encode({"status": status, "workers": workers})
+        return Response(body, status_code=200 if status == "ok" else 503, media_type="application/json")
 
     @app.get("/live")
     async def live() -> Response:

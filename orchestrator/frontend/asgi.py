@@ -132,7 +132,7 @@ class Exchange:
         self.finished = True
         await self._bounded_send({"type": "http.response.body", "body": body, "more_body": False})
 
-    async def json(self, status: int, body: bytes) -> None:
+    async def json(self, status: int, body: bytes, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
         self.stop_watching()
         self.started = self.finished = True
         self.status = status
@@ -140,7 +140,7 @@ class Exchange:
             {
                 "type": "http.response.start",
                 "status": status,
-                "headers": [*JSON_HEADERS, (b"content-length", str(len(body)).encode())],
+                "headers": [*JSON_HEADERS, (b"content-length", str(len(body)).encode()), *headers],
             }
         )
         await self._bounded_send({"type": "http.response.body", "body": body, "more_body": False})

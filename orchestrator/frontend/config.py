@@ -38,6 +38,19 @@ class FrontendConfig:
     # Request migration (dispatch.py): how many times one request may move to another worker
     # after a retryable failure, continuing after the tokens already streamed. 0: never.
     migration_limit: int = 3
+    # Admission control (admission.py), after NVIDIA Dynamo's busy thresholds: a worker is busy
+    # when this fraction of its KV blocks is in use, or when this many prompt tokens wait for
+    # prefill on it. None (the default, as in Dynamo) leaves that test off; with both off every
+    # request is admitted at once and queues in the worker's scheduler, as before.
+    active_decode_blocks_threshold: float | None = None
+    active_prefill_tokens_threshold: int | None = None
+    # While every worker of a model is busy, requests wait in a FIFO of at most this many per
+    # model, each for at most max_queue_wait_s; beyond either they get 429 with Retry-After.
+    max_queued_requests: int = 1024
+    max_queue_wait_s: float = 30.0
+    # On SIGTERM, in-flight requests get this long to finish; the rest then end with an error
+    # (an SSE error event and [DONE], or a 503) instead of a cut connection (drain.py).
+    drain_timeout_s: float = 30.0
     log_level: str = "warning"
     # Tokenizers fetched from workers whose model directory is not on this machine
     # (tokenizer_files.py); None: $WEIR_CACHE_DIR/tokenizers, else ~/.cache/weir/tokenizers.
@@ -64,5 +77,14 @@ class FrontendConfig:
                 raise ValueError(f"{name} must be positive")
         if self.migration_limit < 0:
             raise ValueError("migration_limit must be >= 0")
+        decode = self.active_decode_blocks_threshold
+        if decode is not None and not 0 < decode <= 1:
+            raise ValueError("active_decode_blocks_threshold must be in (0, 1]")
+        if self.active_prefill_tokens_threshold is not None and self.active_prefill_tokens_threshold <= 0:
+            raise ValueError("active_prefill_tokens_threshold must be positive")
+        if self.max_queued_requests < 0:
+            raise ValueError("max_queued_requests must be >= 0")
+        if self.max_queue_wait_s <= 0 or self.drain_timeout_s < 0:
+            raise ValueError("max_queue_wait_s must be positive and drain_timeout_s >= 0")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty or blank; leave it unset to accept any request")

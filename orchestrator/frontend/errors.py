@@ -22,6 +22,7 @@ log = logging.getLogger("weir.frontend")
 class FrontendError(Exception):
     status = 400
     type = "invalid_request_error"
+    headers: tuple[tuple[bytes, bytes], ...] = ()  # extra response headers (Retry-After)
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -58,6 +59,23 @@ class BodyTimeout(FrontendError):
 class Unavailable(FrontendError):
     status = 503
     type = "service_unavailable_error"
+
+
+class RateLimited(FrontendError):
+    """Admission control turned the request away (admission.py). OpenAI's 429 shape: the
+    openai client raises RateLimitError and, honouring Retry-After, retries by itself."""
+
+    status = 429
+    type = "requests"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message, code="rate_limit_exceeded")
+        self.headers = ((b"retry-after", str(retry_after_s).encode()),)
+
+
+class ShuttingDown(Unavailable):
+    def __init__(self) -> None:
+        super().__init__("The server is shutting down; retry the request.", code="shutting_down")
 
 
 class Timeout(FrontendError):

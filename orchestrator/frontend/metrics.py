@@ -12,6 +12,8 @@ from router.metrics import RouterMetrics
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0)
 _ENDPOINTS = ("chat", "completions")
+# Why admission control turned a request away: its model's queue was full, or it waited too long.
+REJECT_REASONS = ("queue_full", "queue_timeout")
 
 
 class ModelMetrics:
@@ -27,6 +29,9 @@ class ModelMetrics:
         self.breaker_trips = metrics.breaker_trips.labels(model)
         self._migrations = metrics.migrations
         self._model = model
+        self.queued = metrics.queued.labels(model)
+        self.queue_wait = metrics.queue_wait.labels(model)
+        self.rejected = {reason: metrics.rejected.labels(model, reason) for reason in REJECT_REASONS}
 
     def migrated(self, reason: str) -> None:
         # Rare (a worker failed), so the label lookup happens here, not at bind time.
@@ -94,6 +99,22 @@ class Metrics:
         self.output_tokens = Counter("weir_frontend_output_tokens", "Generated tokens", ["model"], registry=r)
         self.cached_tokens = Counter(
             "weir_frontend_cached_tokens", "Prompt tokens served from cache", ["model"], registry=r
+        )
+        self.queued = Gauge(
+            "weir_frontend_queued_requests", "Requests waiting for admission", ["model"], registry=r
+        )
+        self.queue_wait = Histogram(
+            "weir_frontend_queue_wait_seconds",
+            "Time from arrival at admission control to admission, per admitted request",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.rejected = Counter(
+            "weir_frontend_rejected_requests",
+            "Requests admission control turned away with 429",
+            ["model", "reason"],
+            registry=r,
         )
         self.workers = Gauge("weir_frontend_workers", "Known workers", registry=r)
         self.router = RouterMetrics(r)  # shared by every model's router, labelled by model

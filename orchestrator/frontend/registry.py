@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from orchestrator.frontend.admission import Admission
 from orchestrator.frontend.config import FrontendConfig
 from orchestrator.frontend.errors import ModelNotFound, Unavailable
 from orchestrator.frontend.metrics import Metrics, ModelMetrics
@@ -37,6 +38,7 @@ class ModelEntry:
     card: ModelCard
     routes: ModelRoutes  # its router and its workers' clients
     metrics: ModelMetrics
+    admission: Admission  # its bounded queue in front of its workers
     preprocessor: Preprocessor | None
     max_prompt_chars: int = 0  # longer prompt texts cannot fit the context (prompts.py)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -73,7 +75,8 @@ class ModelRegistry(RoutingTable[ModelEntry]):
         preprocessor, max_chars = await self._preprocessor(card, client)
         routes = await build_router(self.config, card, self.events, self.metrics.router)
         metrics = self.metrics.for_model(card.name)
-        return ModelEntry(card.name, card, routes, metrics, preprocessor, max_chars)
+        admission = Admission(self.config, routes.router, metrics)
+        return ModelEntry(card.name, card, routes, metrics, admission, preprocessor, max_chars)
 
     def _routes(self, model: ModelEntry) -> ModelRoutes:
         return model.routes

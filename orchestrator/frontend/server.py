@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Mapping
 
 import uvicorn
@@ -58,8 +59,27 @@ def uvicorn_config(app: FastAPI, config: FrontendConfig) -> uvicorn.Config:
         lifespan="on",
         access_log=False,  # one line per request costs real CPU at thousands of requests/s
         log_level=config.log_level,
+        # FrontendServer has drained the generation routes already; this bounds the rest.
         timeout_graceful_shutdown=5,
     )
+
+
+class FrontendServer(uvicorn.Server):
+    """uvicorn that drains before it shuts down (drain.py): stop listening, fail readiness,
+    give in-flight requests `drain_timeout_s`, end the rest with an error. uvicorn's own
+    graceful shutdown would cancel them after a fixed timeout, cutting streams mid-way."""
+
+    def __init__(self, app: FastAPI, config: FrontendConfig) -> None:
+        super().__init__(uvicorn_config(app, config))
+        self.drain = app.state.frontend.drain
+        self.drain_timeout_s = config.drain_timeout_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.drain.begin()
+        for server in self.servers:
+            server.close()  # no new connections; uvicorn closes them again, harmlessly
+        await self.drain.wait(self.drain_timeout_s)
+        await super().shutdown(sockets)
 
 
 async def run_frontend(
@@ -72,5 +92,5 @@ async def run_frontend(
 
     Runs on the caller's event loop: start it with `uvloop.run(run_frontend(...))`."""
     logging.getLogger("weir.frontend").setLevel(config.log_level.upper())
-    server = uvicorn.Server(uvicorn_config(create_app(config, discovery, events, local_workers), config))
+    server = FrontendServer(create_app(config, discovery, events, local_workers), config)
     await server.serve()

@@ -140,6 +140,9 @@ class Serving:
     async def _respond(
         self, job: pipeline.Job, fmt: Formatter, stream: bool, include_usage: bool, ex: Exchange
     ) -> None:
+        # After preprocessing, so the admitted request goes straight on to routing.
+        admission = job.entry.admission
+        await admission.admit()
         outputs = pipeline.outputs(job)
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
@@ -148,7 +151,8 @@ class Serving:
                 else:
                     await _collect(job, outputs, fmt, ex)
         finally:
-            await outputs.aclose()
+            await outputs.aclose()  # the router hears on_finish before the next is admitted
+            admission.release()
             job.record()
 
 

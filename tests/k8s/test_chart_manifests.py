@@ -184,6 +184,15 @@ def test_graceful_termination_leaves_time_to_drain(defaults: list[Manifest]) -> 
         ]
         == 60
     )
+    # SIGTERM drains the frontend's streams, and the drain must end before the kubelet's SIGKILL.
+    assert "--drain-timeout=45" in _container(one(defaults, "Deployment", "r-weir-frontend"))["args"]
+
+
+def test_frontend_drain_timeout_follows_its_grace_period(helm_bin: str) -> None:
+    manifests = render(helm_bin, sets={"frontend.terminationGracePeriodSeconds": "300"})
+    dep = one(manifests, "Deployment", "r-weir-frontend")
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 300
+    assert "--drain-timeout=285" in _container(dep)["args"]
 
 
 def test_a_disruption_budget_per_pool_and_frontend(external: list[Manifest]) -> None:

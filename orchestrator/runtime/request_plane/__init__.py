@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from orchestrator.runtime.request_plane.client import RequestPlaneClient, ResponseStream
+from orchestrator.runtime.request_plane.security import PlaneSecurity
 from orchestrator.runtime.request_plane.server import Handler, RequestPlaneServer, dial_address
 from orchestrator.runtime.request_plane.worker_client import (
     GENERATE,
@@ -17,6 +18,7 @@ __all__ = [
     "KV_SNAPSHOT",
     "MODEL_FILES",
     "Handler",
+    "PlaneSecurity",
     "RequestPlaneClient",
     "RequestPlaneServer",
     "ResponseStream",

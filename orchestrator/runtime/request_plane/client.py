@@ -4,6 +4,9 @@
 early (`aclose()`, or dropping it unfinished, or cancelling the task awaiting it) sends a
 `Cancel` frame, so the worker stops generating. A lost connection fails every stream open on
 it with `EngineError('unavailable', retryable=True)`; the next call reconnects.
+
+With a cluster secret (`PlaneSecurity`), a connection carries no call until the server has
+proved it holds the secret too (security.py); a failed or timed-out handshake is `unavailable`.
 """
 
 from __future__ import annotations
@@ -16,17 +19,54 @@ from functools import partial
 from orchestrator.runtime.errors import EngineError, unavailable
 from orchestrator.runtime.request_plane.connection import FrameProtocol
 from orchestrator.runtime.request_plane.frames import Call, Cancel, Data, End, Error, Frame
+from orchestrator.runtime.request_plane.security import (
+    MAC_BYTES,
+    MAX_ANSWER_BYTES,
+    NONCE_BYTES,
+    PlaneSecurity,
+    caller_proof,
+    matches,
+    new_nonce,
+    server_proof,
+)
 
 
 class _ClientConnection(FrameProtocol):
-    def __init__(self, address: str) -> None:
-        super().__init__()
+    def __init__(self, address: str, secret: bytes | None) -> None:
+        super().__init__(MAX_ANSWER_BYTES)
         self.address = address
         self.streams: dict[int, _Inbox] = {}
         self._next_id = 0
+        self._secret = secret
+        self._server_nonce = b""
+        self._nonce = b""
+        # Done once the server is authenticated (at once without a secret).
+        self.ready: asyncio.Future[None] = self.loop.create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if self._secret is None:
+            self.ready.set_result(None)
+        else:
+            self.expect_raw(NONCE_BYTES)
+
+    def raw_received(self, data: bytes) -> None:
+        assert self._secret is not None and self.transport is not None
+        if not self._server_nonce:
+            self._server_nonce, self._nonce = data, new_nonce()
+            self.transport.write(caller_proof(self._secret, data) + self._nonce)
+            self.expect_raw(MAC_BYTES)
+        elif matches(server_proof(self._secret, self._nonce, self._server_nonce), data):
+            self.ready.set_result(None)
+        else:
+            self.ready.set_exception(unavailable(f"{self.address} failed the cluster-secret handshake"))
+            self.transport.abort()
 
     def open_stream(self, inbox: _Inbox, endpoint: str, payload: bytes) -> int:
         self._next_id += 1
+        if not self.is_open:  # lost between connecting and this call: nobody would answer
+            inbox.finish(unavailable(f"connection to {self.address} lost"))
+            return self._next_id
         self.streams[self._next_id] = inbox
         self.send(Call(self._next_id, endpoint, payload))
         return self._next_id
@@ -54,6 +94,9 @@ class _ClientConnection(FrameProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
+        if not self.ready.done():
+            # A server that wants a secret we lack (or another one) closes during the handshake.
+            self.ready.set_exception(unavailable(f"{self.address} closed the connection in the handshake"))
         streams, self.streams = self.streams, {}
         error = unavailable(f"connection to {self.address} lost" + (f": {exc}" if exc else ""))
         for stream in streams.values():
@@ -158,8 +201,9 @@ class ResponseStream:
 
 
 class RequestPlaneClient:
-    def __init__(self, connect_timeout: float = 5.0) -> None:
+    def __init__(self, connect_timeout: float = 5.0, security: PlaneSecurity | None = None) -> None:
         self.connect_timeout = connect_timeout
+        self.security = security or PlaneSecurity()
         self._conns: dict[str, _ClientConnection] = {}
         self._connecting: dict[str, asyncio.Future[_ClientConnection]] = {}
 
@@ -181,10 +225,19 @@ class RequestPlaneClient:
 
     async def _connect(self, address: str) -> _ClientConnection:
         host, _, port = address.rpartition(":")
-        factory = partial(_ClientConnection, address)
+        factory = partial(_ClientConnection, address, self.security.secret)
+        tls = self.security.client_tls
         try:
-            connecting = asyncio.get_running_loop().create_connection(factory, host.strip("[]"), int(port))
-            _, conn = await asyncio.wait_for(connecting, self.connect_timeout)
+            async with asyncio.timeout(self.connect_timeout):
+                connecting = asyncio.get_running_loop().create_connection(
+                    factory, host.strip("[]"), int(port), ssl=tls
+                )
+                transport, conn = await connecting
+                try:
+                    await conn.ready
+                except BaseException:
+                    transport.abort()
+                    raise
         except (OSError, TimeoutError, ValueError) as exc:
             raise unavailable(f"cannot connect to {address}: {exc!r}") from exc
         self._conns[address] = conn

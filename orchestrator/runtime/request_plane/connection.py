@@ -3,6 +3,12 @@
 Frames queued in one event-loop iteration leave in one `transport.write` (one syscall), so
 a step that produces deltas for 100 streams costs one send, not 100. Writers never await per
 frame; a producer checks `paused` and awaits `writable()` only when the socket is backed up.
+
+Reading is linear in the bytes received: a partial frame waits in one bytearray that grows by
+appending and loses its consumed head by `del` (which CPython does in place), never a copy of
+the whole buffer per read. A length prefix over `max_frame_bytes` closes the connection before
+any of that frame's body is buffered. Before frames, a subclass may ask for a fixed number of
+raw bytes (`expect_raw`): the cluster-secret handshake (security.py).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from typing import cast
 
 import msgspec
 
-from orchestrator.runtime.request_plane.frames import MAX_FRAME_BYTES, Frame, append_frame, decoder
+from orchestrator.runtime.request_plane.frames import Frame, append_frame, decoder
 from orchestrator.runtime.throttled_log import ThrottledWarning
 
 log = logging.getLogger(__name__)
@@ -32,11 +38,13 @@ def configure_socket(sock: socket.socket) -> None:
 
 
 class FrameProtocol(asyncio.Protocol):
-    def __init__(self) -> None:
+    def __init__(self, max_frame_bytes: int) -> None:
         self.loop = asyncio.get_running_loop()
+        self.max_frame_bytes = max_frame_bytes
         self.transport: asyncio.Transport | None = None
         self.paused = False
         self._rbuf = bytearray()
+        self._raw_needed = 0
         self._wbuf = bytearray()
         self._flush_pending = False
         self._writable: asyncio.Future[None] | None = None
@@ -49,6 +57,25 @@ class FrameProtocol(asyncio.Protocol):
 
     def malformed_frame(self, raw: bytes, exc: Exception) -> None:
         self.warn(f"request plane: dropped a malformed frame ({exc})")
+
+    def raw_received(self, data: bytes) -> None:
+        """The `expect_raw` bytes asked for, all of them."""
+        raise NotImplementedError
+
+    def expect_raw(self, size: int) -> None:
+        """Hand the next `size` bytes to `raw_received` instead of parsing them as frames."""
+        self._raw_needed = size
+
+    def refuse(self, reason: str) -> None:
+        """Close the connection for `reason` (throttled in the log); nothing more is read."""
+        self.warn(f"request plane: {reason}; closing the connection from {self.peer}")
+        if self.transport is not None:
+            self.transport.abort()
+
+    @property
+    def peer(self) -> str:
+        name = self.transport.get_extra_info("peername") if self.transport is not None else None
+        return str(name[0]) if isinstance(name, tuple) and name else "?"
 
     # ------------------------------------------------------------------ writing
 
@@ -101,32 +128,46 @@ class FrameProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         self.paused = False
+        self._rbuf = bytearray()
         self._release_writers()
 
     def data_received(self, data: bytes) -> None:
         if self._rbuf:
             self._rbuf += data
-            data = bytes(self._rbuf)
-            self._rbuf.clear()
-        view = memoryview(data)
-        end, pos = len(data), 0
-        while end - pos >= 4:
-            size = int.from_bytes(view[pos : pos + 4], "big")
-            if size > MAX_FRAME_BYTES:
-                # The length prefix is garbage, so is everything after it: drop the connection.
-                self.warn(f"request plane: frame of {size} bytes exceeds the limit; closing")
-                if self.transport is not None:
-                    self.transport.abort()
-                return
-            stop = pos + 4 + size
-            if stop > end:
-                break
-            try:
-                frame = decoder.decode(view[pos + 4 : stop])
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                self.malformed_frame(data[pos + 4 : stop], exc)
-            else:
-                self.frame_received(frame)
-            pos = stop
-        if pos < end:
-            self._rbuf += view[pos:]
+            del self._rbuf[: self._parse(self._rbuf)]
+        else:  # the common case: whole frames, parsed straight from what arrived
+            pos = self._parse(data)
+            if pos < len(data):
+                self._rbuf += memoryview(data)[pos:]
+
+    def _parse(self, buf: bytes | bytearray) -> int:
+        """Handle every complete item in `buf`; returns how many bytes were consumed."""
+        end, pos = len(buf), 0
+        with memoryview(buf) as view:
+            while self.is_open:
+                if self._raw_needed:
+                    size = self._raw_needed
+                    if end - pos < size:
+                        return pos
+                    self._raw_needed = 0
+                    self.raw_received(bytes(view[pos : pos + size]))
+                    pos += size
+                    continue
+                if end - pos < 4:
+                    return pos
+                size = int.from_bytes(view[pos : pos + 4], "big")
+                if size > self.max_frame_bytes:
+                    # Garbage or abuse; everything after it is unparseable either way.
+                    self.refuse(f"a frame of {size} bytes exceeds the limit of {self.max_frame_bytes}")
+                    break
+                stop = pos + 4 + size
+                if stop > end:
+                    return pos
+                try:
+                    frame = decoder.decode(view[pos + 4 : stop])
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    self.malformed_frame(bytes(view[pos + 4 : stop]), exc)
+                else:
+                    self.frame_received(frame)
+                pos = stop
+        return end  # closed: drop the rest

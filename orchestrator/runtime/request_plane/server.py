@@ -4,12 +4,17 @@ A handler takes the call's payload and returns an async iterator of response pay
 Raising `EngineError` sends that error; any other exception becomes an `internal` error.
 A `Cancel` frame, or the connection closing, cancels the handler's task; the handler's
 iterator is then closed, so whatever it holds (an engine request, KV blocks) is freed.
+
+A connection over `max_connections`, or over `max_connections_per_peer` from one IP, is closed
+at once; with a cluster secret, no frame is read before the caller passed the handshake
+(security.py). Both are `PlaneSecurity` settings.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import socket
 from collections.abc import AsyncGenerator, Callable
@@ -18,6 +23,16 @@ from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.protocol import ErrorCode, WorkerError
 from orchestrator.runtime.request_plane.connection import FrameProtocol
 from orchestrator.runtime.request_plane.frames import Call, Cancel, Data, End, Error, Frame, stream_id_of
+from orchestrator.runtime.request_plane.security import (
+    MAC_BYTES,
+    NONCE_BYTES,
+    PlaneSecurity,
+    caller_proof,
+    matches,
+    new_nonce,
+    server_proof,
+)
+from orchestrator.runtime.throttled_log import ThrottledWarning
 
 log = logging.getLogger(__name__)
 
@@ -28,18 +43,58 @@ Handler = Callable[[bytes], AsyncGenerator[bytes, None]]
 
 class _ServerConnection(FrameProtocol):
     def __init__(self, server: RequestPlaneServer) -> None:
-        super().__init__()
+        super().__init__(server.security.max_frame_bytes)
         self._handlers = server.handlers
         self._server = server
+        self.warn = server.warn  # one throttle for the server: a flood of bad peers logs a little
         self.tasks: dict[int, asyncio.Task[None]] = {}
+        self._nonce = b""
+        self._deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self._server.connections.add(self)
+        server, security = self._server, self._server.security
+        peer = self.peer
+        if len(server.connections) >= security.max_connections:
+            self.refuse(f"over {security.max_connections} connections")
+            return
+        if server.per_peer.get(peer, 0) >= security.max_connections_per_peer:
+            self.refuse(f"over {security.max_connections_per_peer} connections from one peer")
+            return
+        server.connections.add(self)
+        server.per_peer[peer] = server.per_peer.get(peer, 0) + 1
+        if security.secret is not None:
+            self._nonce = new_nonce()
+            assert self.transport is not None
+            self.transport.write(self._nonce)
+            self.expect_raw(MAC_BYTES + NONCE_BYTES)
+            self._deadline = self.loop.call_later(security.handshake_timeout, self._too_slow)
+
+    def _too_slow(self) -> None:
+        self.refuse("no handshake answer in time")
+
+    def raw_received(self, data: bytes) -> None:
+        secret = self._server.security.secret
+        assert secret is not None and self.transport is not None
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        proof, caller_nonce = data[:MAC_BYTES], data[MAC_BYTES:]
+        if not matches(caller_proof(secret, self._nonce), proof):
+            self.refuse("a caller failed the cluster-secret handshake")
+            return
+        self.transport.write(server_proof(secret, caller_nonce, self._nonce))
 
     def connection_lost(self, exc: Exception | None) -> None:
+        peer = self.peer  # before the transport is gone
         super().connection_lost(exc)
-        self._server.connections.discard(self)
+        if self._deadline is not None:
+            self._deadline.cancel()
+        if self in self._server.connections:
+            self._server.connections.discard(self)
+            left = self._server.per_peer.pop(peer, 1) - 1
+            if left:
+                self._server.per_peer[peer] = left
         for task in self.tasks.values():
             task.cancel()
         self.tasks.clear()
@@ -94,9 +149,12 @@ class _ServerConnection(FrameProtocol):
 
 
 class RequestPlaneServer:
-    def __init__(self, handlers: dict[str, Handler]) -> None:
+    def __init__(self, handlers: dict[str, Handler], security: PlaneSecurity | None = None) -> None:
         self.handlers = handlers
+        self.security = security or PlaneSecurity()
         self.connections: set[_ServerConnection] = set()
+        self.per_peer: dict[str, int] = {}
+        self.warn = ThrottledWarning(log)
         self.host = ""
         self.port = 0
         self._server: asyncio.Server | None = None
@@ -104,7 +162,21 @@ class RequestPlaneServer:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Listen; returns the bound port (port 0 picks a free one)."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _ServerConnection(self), host, port)
+        tls = self.security.server_tls
+        self._server = await loop.create_server(
+            lambda: _ServerConnection(self),
+            host,
+            port,
+            ssl=tls,
+            ssl_handshake_timeout=self.security.handshake_timeout if tls is not None else None,
+        )
+        if self.security.secret is None and not _is_loopback(host):
+            log.warning(
+                "request plane on %s:%s takes calls from anyone: set a cluster secret "
+                "(--cluster-secret or WEIR_CLUSTER_SECRET) on every weir process",
+                host,
+                self._server.sockets[0].getsockname()[1],
+            )
         self.host = host
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
@@ -125,6 +197,15 @@ class RequestPlaneServer:
         with contextlib.suppress(Exception):
             await self._server.wait_closed()
         self._server = None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name, or a wildcard ("" binds every address)
+        return False
 
 
 def dial_address(host: str, port: int, advertise_host: str | None = None) -> str:

@@ -62,6 +62,7 @@ class DeepInferWorker:
             total_kv_blocks=engine.scheduler.block_manager.num_blocks,
             max_num_seqs=self.config.max_num_seqs,
             eos_token_ids=engine.eos_token_ids,
+            vocab_size=engine.vocab_size,
         )
         self._async = AsyncEngine(engine)
         await self._async.start()

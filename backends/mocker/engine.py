@@ -81,6 +81,7 @@ class MockerEngine:
             total_kv_blocks=self.config.num_blocks,
             max_num_seqs=self.config.max_num_seqs,
             eos_token_ids=list(self.config.eos_token_ids),
+            vocab_size=self.config.vocab_size,
         )
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()

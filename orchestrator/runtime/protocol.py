@@ -217,6 +217,8 @@ class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     total_kv_blocks: int = 0
     max_num_seqs: int = 0
     eos_token_ids: list[int] = []
+    # Token ids lie in [0, vocab_size); 0: not known, only the u32 range is checked.
+    vocab_size: int = 0
 
 
 class ModelFiles(msgspec.Struct, kw_only=True):

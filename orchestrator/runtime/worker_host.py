@@ -36,6 +36,7 @@ from orchestrator.runtime.discovery import Discovery, DiscoveryUnavailable, drai
 from orchestrator.runtime.engine import Engine
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.events import EventPlane
+from orchestrator.runtime.hashing import block_hashes
 from orchestrator.runtime.model_files import read_model_files
 from orchestrator.runtime.protocol import (
     Instance,
@@ -50,6 +51,7 @@ from orchestrator.runtime.request_plane import (
     GENERATE,
     KV_SNAPSHOT,
     MODEL_FILES,
+    PlaneSecurity,
     RequestPlaneServer,
     dial_address,
 )
@@ -78,6 +80,7 @@ class WorkerHost:
         instance_id: str | None = None,
         advertise_host: str | None = None,
         publish_interval: float = 0.015,
+        security: PlaneSecurity | None = None,
     ) -> None:
         self.engine = engine
         self.discovery = discovery
@@ -92,7 +95,8 @@ class WorkerHost:
         self.in_flight = 0
         self.draining = False
         self._server = RequestPlaneServer(
-            {GENERATE: self._generate, KV_SNAPSHOT: self._kv_snapshot, MODEL_FILES: self._model_files}
+            {GENERATE: self._generate, KV_SNAPSHOT: self._kv_snapshot, MODEL_FILES: self._model_files},
+            security,
         )
         self._idle = asyncio.Event()
         self._idle.set()
@@ -203,12 +207,41 @@ class WorkerHost:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             metrics.REQUESTS.labels(self.instance_id, "invalid").inc()
             raise EngineError("invalid_request", f"bad WorkerRequest: {exc}") from exc
+        try:
+            self._check(request)
+        except EngineError:
+            metrics.REQUESTS.labels(self.instance_id, "invalid").inc()
+            raise
         stream = self.generate(request)
         try:
             async for delta in stream:
                 yield _encode(delta)
         finally:
             await stream.aclose()
+
+    def _check(self, request: WorkerRequest) -> None:
+        """What a caller on the wire could get wrong or forge, checked before the engine sees it.
+
+        Block hashes are recomputed from the tokens, never trusted: the engine's prefix cache
+        is keyed on them, so a request carrying another request's hashes would be served that
+        request's KV (another tenant's, once tiers are shared). An honest caller computes the
+        same hashes, so a mismatch is refused rather than silently replaced: it is a bug or an
+        attack, and either should be seen."""
+        card = self.engine.card
+        # 2**32: the hash reads tokens as u32; an engine that knows its vocabulary says so.
+        vocab = card.vocab_size or 2**32
+        for name, ids in (("token_ids", request.token_ids), ("stop_token_ids", request.stop_token_ids)):
+            if ids and (min(ids) < 0 or max(ids) >= vocab):
+                raise EngineError("invalid_request", f"{name} holds ids outside the vocabulary [0, {vocab})")
+        if len(request.token_ids) > card.context_length:
+            raise EngineError(
+                "invalid_request",
+                f"{len(request.token_ids)} prompt tokens exceed the context length {card.context_length}",
+            )
+        hashes = block_hashes(request.token_ids, card.block_size, request.cache_salt)
+        if request.block_hashes and request.block_hashes != hashes:
+            raise EngineError("invalid_request", "block_hashes do not match the prompt's tokens")
+        request.block_hashes = hashes
 
     async def _kv_snapshot(self, payload: bytes) -> AsyncGenerator[bytes, None]:
         yield _encode(await self.kv_snapshot())

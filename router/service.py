@@ -25,6 +25,7 @@ from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.events import EventPlane
 from orchestrator.runtime.protocol import Instance, ModelCard
 from orchestrator.runtime.request_plane import (
+    PlaneSecurity,
     RequestPlaneClient,
     RequestPlaneServer,
     TcpWorkerClient,
@@ -60,9 +61,11 @@ class RouterService(RoutingTable[ModelRoutes]):
         advertise_host: str | None = None,
         instance_id: str | None = None,
         metrics: RouterMetrics | None = None,
+        security: PlaneSecurity | None = None,
     ) -> None:
         super().__init__(lambda instance: TcpWorkerClient(self._plane, instance.address), log)
-        self._plane = RequestPlaneClient()  # to the workers, for their KV snapshots
+        # To the workers, for their KV snapshots; the same secret and limits as the server.
+        self._plane = RequestPlaneClient(security=security)
         self.discovery = discovery
         self.events = events
         self.namespace = namespace
@@ -77,7 +80,9 @@ class RouterService(RoutingTable[ModelRoutes]):
         self.instance_id = instance_id or f"router-{default_instance_id()}"
         self.metrics = metrics or default_metrics()
         self.instance: Instance | None = None
-        self._server = RequestPlaneServer({ROUTE: self._route})
+        self._server = RequestPlaneServer({ROUTE: self._route}, security)
+        # Per model, the card its first worker brought: what `route` calls are checked against.
+        self._cards: dict[str, ModelCard] = {}
         self._follower: asyncio.Task[None] | None = None
 
     @property
@@ -120,6 +125,7 @@ class RouterService(RoutingTable[ModelRoutes]):
         router = make_router(self.mode, card.block_size, model=card.name, metrics=self.metrics, **self.params)
         routes = ModelRoutes(card.name, router)
         await routes.subscribe(self.events, self.namespace)
+        self._cards[card.name] = card
         return routes
 
     def _routes(self, model: ModelRoutes) -> ModelRoutes:
@@ -128,6 +134,7 @@ class RouterService(RoutingTable[ModelRoutes]):
     def _workers_changed(self, name: str) -> None:
         model = self.models.get(name)
         if model is None:
+            self._cards.pop(name, None)
             WORKERS.remove(name)
         else:
             WORKERS.labels(name).set(len(model.workers))
@@ -142,6 +149,7 @@ class RouterService(RoutingTable[ModelRoutes]):
         model = self.models.get(call.model)
         if model is None:
             raise EngineError("invalid_request", f"the router knows no worker of model {call.model!r}")
+        _check(call, self._cards[call.model])
         request = RouteRequest(call.request_id, call.num_tokens, call.block_hashes, call.pinned_worker)
         try:
             decision = await model.select(request, call.exclude)
@@ -162,3 +170,19 @@ class RouterService(RoutingTable[ModelRoutes]):
             await asyncio.get_running_loop().create_future()
         finally:
             model.on_finish(decision.worker_id, call.request_id)
+
+
+def _check(call: RouteCall, card: ModelCard) -> None:
+    """A call's load must be one a real prompt could have: its token count adds to every
+    candidate worker's predicted load, so an absurd one would skew routing for everyone. The
+    hashes cannot be checked against tokens the router never sees; the worker does that."""
+    if not 0 <= call.num_tokens <= card.context_length:
+        raise EngineError(
+            "invalid_request", f"num_tokens {call.num_tokens} is outside [0, {card.context_length}]"
+        )
+    if len(call.block_hashes) > call.num_tokens // card.block_size:
+        raise EngineError(
+            "invalid_request",
+            f"{len(call.block_hashes)} block hashes for {call.num_tokens} tokens of "
+            f"{card.block_size}-token blocks",
+        )

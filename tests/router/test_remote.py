@@ -157,6 +157,20 @@ async def test_bad_calls_get_typed_errors(setup: Setup) -> None:
     assert decision.worker_id in setup.hosts
 
 
+async def test_load_no_real_prompt_could_have_is_refused(setup: Setup) -> None:
+    loads = setup.service.models[MODEL].router.workers
+    for bad in (
+        RouteCall(model=MODEL, request_id="huge", num_tokens=10**9),
+        RouteCall(model=MODEL, request_id="neg", num_tokens=-1),
+        # more full blocks than the tokens make
+        RouteCall(model=MODEL, request_id="blocks", num_tokens=BS, block_hashes=block_hashes(PREFIX, BS)),
+    ):
+        assert (await call_route(setup, msgspec.msgpack.encode(bad))).code == "invalid_request"
+    assert all(w.inflight_requests == 0 and w.blocks == 0 for w in loads.values())
+    decision = await setup.remote().select(route("fine", PREFIX))  # a real prompt's load routes
+    assert decision.worker_id in setup.hosts
+
+
 async def test_unreachable_router_falls_back_locally_then_is_retried(setup: Setup) -> None:
     now = [0.0]
     dead = f"127.0.0.1:{free_port()}"

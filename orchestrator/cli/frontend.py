@@ -13,8 +13,10 @@ from collections.abc import Callable, Mapping
 from orchestrator.cli.options import (
     add_cluster_planes,
     add_log_level,
+    add_plane_security,
     add_router_arguments,
     env_default,
+    plane_security,
     router_params,
     run_until_stopped,
     setup_logging,
@@ -23,7 +25,7 @@ from orchestrator.frontend.config import REMOTE_FALLBACK_MODE, ROUTER_MODES, Fro
 from orchestrator.frontend.server import FrontendServer, create_app
 from orchestrator.runtime.discovery import Discovery, make_discovery
 from orchestrator.runtime.events import EventPlane, make_event_plane
-from orchestrator.runtime.request_plane import WorkerClient
+from orchestrator.runtime.request_plane import PlaneSecurity, WorkerClient
 
 _DEFAULTS = FrontendConfig()
 
@@ -147,7 +149,11 @@ def _add_admission_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def frontend_config(args: argparse.Namespace, namespace: str) -> FrontendConfig:
+def frontend_config(
+    args: argparse.Namespace, namespace: str, request_plane: PlaneSecurity | None = None
+) -> FrontendConfig:
+    """`request_plane`: how to dial workers (`weir serve` calls its own in process: none)."""
+    request_plane = request_plane or PlaneSecurity()
     try:
         return FrontendConfig(
             host=args.host,
@@ -169,6 +175,7 @@ def frontend_config(args: argparse.Namespace, namespace: str) -> FrontendConfig:
             max_stop_strings=args.max_stop_strings,
             log_level=args.log_level,
             api_key=args.api_key,
+            request_plane=request_plane,
         )
     except ValueError as exc:
         raise SystemExit(f"weir: {exc}") from exc
@@ -177,13 +184,14 @@ def frontend_config(args: argparse.Namespace, namespace: str) -> FrontendConfig:
 def register(parser: argparse.ArgumentParser) -> None:
     add_frontend_arguments(parser)
     add_cluster_planes(parser)
+    add_plane_security(parser, serving=False)
     add_log_level(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
-    config = frontend_config(args, args.namespace)
+    config = frontend_config(args, args.namespace, plane_security(args, serving=False))
     return run_until_stopped(lambda stop: _serve(config, args, stop))
 
 

@@ -22,6 +22,14 @@ from types import FrameType
 from typing import Any
 
 from orchestrator.runtime.discovery import DEFAULT_TTL
+from orchestrator.runtime.request_plane import PlaneSecurity
+from orchestrator.runtime.request_plane.security import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_CONNECTIONS_PER_PEER,
+    DEFAULT_MAX_FRAME_BYTES,
+    client_tls_context,
+    server_tls_context,
+)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ENV_PREFIX = "WEIR_"
@@ -201,6 +209,86 @@ def add_service_arguments(
         metavar="SECONDS",
         help=f"discovery lease: a dead {what} disappears after this long (default {DEFAULT_TTL:g})",
     )
+    plane.add_argument(
+        "--max-frame-bytes",
+        type=int,
+        default=DEFAULT_MAX_FRAME_BYTES,
+        help="a caller's frame announcing more than this closes its connection "
+        f"(default {DEFAULT_MAX_FRAME_BYTES})",
+    )
+    plane.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help=f"request-plane connections beyond this are closed at once (default {DEFAULT_MAX_CONNECTIONS})",
+    )
+    plane.add_argument(
+        "--max-connections-per-peer",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS_PER_PEER,
+        help="connections from one IP beyond this are closed at once "
+        f"(default {DEFAULT_MAX_CONNECTIONS_PER_PEER})",
+    )
+    add_plane_security(parser, serving=True)
+
+
+def add_plane_security(parser: argparse.ArgumentParser, serving: bool) -> None:
+    """The cluster secret and TLS of the request plane: every process that listens on it or
+    dials it (`serving`: it listens, so it takes a certificate too)."""
+    group = parser.add_argument_group("request-plane security")
+    group.add_argument(
+        "--cluster-secret",
+        metavar="SECRET",
+        help="shared secret every weir process of the cluster proves it holds when it connects "
+        "(16+ bytes; set WEIR_CLUSTER_SECRET rather than the flag, which others see in the "
+        "process list; default: none, the request plane is open)",
+    )
+    group.add_argument(
+        "--cluster-secret-file",
+        metavar="PATH",
+        help="read the cluster secret from this file (a mounted Kubernetes Secret)",
+    )
+    if serving:
+        group.add_argument("--tls-cert", metavar="PEM", help="serve the request plane over TLS: certificate")
+        group.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    group.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        help="dial the request plane over TLS, trusting servers this CA signed",
+    )
+
+
+def plane_security(args: argparse.Namespace, serving: bool) -> PlaneSecurity:
+    """The `PlaneSecurity` of `add_plane_security`'s flags, and of the limits on a service
+    (`serving`; a frontend's --max-connections is its HTTP limit, not this)."""
+    secret: str | None = args.cluster_secret
+    if args.cluster_secret_file:
+        try:
+            with open(args.cluster_secret_file, encoding="utf-8") as file:
+                secret = file.read().strip()
+        except OSError as exc:
+            raise SystemExit(f"weir: cannot read --cluster-secret-file: {exc}") from exc
+    cert, key = (args.tls_cert, args.tls_key) if serving else (None, None)
+    if bool(cert) != bool(key):
+        raise SystemExit("weir: --tls-cert and --tls-key go together")
+    limits = (
+        {
+            "max_frame_bytes": args.max_frame_bytes,
+            "max_connections": args.max_connections,
+            "max_connections_per_peer": args.max_connections_per_peer,
+        }
+        if serving
+        else {}
+    )
+    try:
+        return PlaneSecurity(
+            secret=secret.encode() if secret else None,
+            server_tls=server_tls_context(cert, key) if cert and key else None,
+            client_tls=client_tls_context(args.tls_ca) if args.tls_ca else None,
+            **limits,
+        )
+    except (ValueError, OSError) as exc:  # a short secret, unreadable or bad PEM files
+        raise SystemExit(f"weir: {exc}") from exc
 
 
 def add_router_arguments(

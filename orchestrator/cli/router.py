@@ -16,6 +16,7 @@ from orchestrator.cli.options import (
     add_log_level,
     add_router_arguments,
     add_service_arguments,
+    plane_security,
     router_params,
     run_until_stopped,
     setup_logging,
@@ -43,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    security = plane_security(args, serving=True)
     discovery = make_discovery(args.etcd, args.namespace, ttl=args.lease_ttl)
     events = make_event_plane(args.nats)
     try:
@@ -56,6 +58,7 @@ async def _serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
             port=args.port,
             advertise_host=args.advertise_host,
             instance_id=args.instance_id,
+            security=security,
         )
     except (TypeError, ValueError) as exc:
         raise SystemExit(f"weir router: {exc}") from exc

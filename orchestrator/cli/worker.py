@@ -17,6 +17,7 @@ from orchestrator.cli.options import (
     add_cluster_planes,
     add_log_level,
     add_service_arguments,
+    plane_security,
     setup_logging,
 )
 from orchestrator.runtime.discovery import make_discovery
@@ -70,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, engine: Engine, model: str) -> None:
+    security = plane_security(args, serving=True)
     discovery = make_discovery(args.etcd, args.namespace, ttl=args.lease_ttl)
     events = make_event_plane(args.nats)
     host = WorkerHost(
@@ -81,6 +83,7 @@ async def _serve(args: argparse.Namespace, engine: Engine, model: str) -> None:
         port=args.port,
         instance_id=args.instance_id,
         advertise_host=args.advertise_host,
+        security=security,
     )
     try:
         started = asyncio.create_task(

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator.runtime.request_plane import PlaneSecurity
+
 ROUTER_MODES = ("kv", "round-robin", "random", "least-loaded", "remote")
 # What places requests in `remote` mode while the standalone router cannot be reached.
 REMOTE_FALLBACK_MODE = "least-loaded"
@@ -58,6 +60,8 @@ class FrontendConfig:
     # When set, every route but /health, /live and /metrics needs `Authorization: Bearer <key>`
     # (auth.py). Kept out of repr so it never reaches a log line.
     api_key: str | None = field(default=None, repr=False)
+    # The cluster secret and TLS for calls to workers and a standalone router.
+    request_plane: PlaneSecurity = field(default_factory=PlaneSecurity)
 
     def __post_init__(self) -> None:
         if self.router_mode not in ROUTER_MODES:

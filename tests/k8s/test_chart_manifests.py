@@ -230,9 +230,19 @@ def test_network_policy_option(helm_bin: str, defaults: list[Manifest]) -> None:
     assert not find(defaults, "NetworkPolicy")
     manifests = render(helm_bin, EXAMPLES / "external-planes.yaml")
     policies = {p["metadata"]["name"]: p["spec"] for p in find(manifests, "NetworkPolicy")}
-    assert set(policies) == {"r-weir-internal", "r-weir-api", "r-weir-metrics"}
+    assert set(policies) == {"r-weir-internal", "r-weir-workers", "r-weir-api", "r-weir-metrics"}
     release = {"app.kubernetes.io/name": "weir", "app.kubernetes.io/instance": "r"}
-    assert policies["r-weir-internal"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": release}}]}]
+    internal = policies["r-weir-internal"]
+    assert internal["ingress"] == [{"from": [{"podSelector": {"matchLabels": release}}]}]
+    not_workers = {"key": "app.kubernetes.io/component", "operator": "NotIn", "values": ["worker"]}
+    assert internal["podSelector"]["matchExpressions"] == [not_workers]
+    # Workers' request plane: only from the frontend and the router.
+    workers = policies["r-weir-workers"]
+    assert workers["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "worker"
+    [rule] = workers["ingress"]
+    assert rule["ports"] == [{"port": "requests", "protocol": "TCP"}]
+    callers = {"key": "app.kubernetes.io/component", "operator": "In", "values": ["frontend", "router"]}
+    assert rule["from"] == [{"podSelector": {"matchLabels": release, "matchExpressions": [callers]}}]
     api = policies["r-weir-api"]
     assert api["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "frontend"
     assert api["ingress"][0]["from"] == [
@@ -254,6 +264,30 @@ def test_api_key_secret(helm_bin: str) -> None:
     env = _container(one(existing, "Deployment", "r-weir-frontend"))["env"]
     key_env = next(e for e in env if e["name"] == "WEIR_API_KEY")
     assert key_env["valueFrom"]["secretKeyRef"] == {"name": "weir-api-key", "key": "api-key"}
+
+
+def test_cluster_secret_reaches_frontend_router_and_workers(helm_bin: str) -> None:
+    assert not any(
+        e["name"] == "WEIR_CLUSTER_SECRET"
+        for e in _container(one(render(helm_bin), "Deployment", "r-weir-frontend")).get("env", [])
+    )
+    for sets, name in (
+        (
+            {"clusterSecret.value": "0123456789abcdef-secret", "router.enabled": "true"},
+            "r-weir-cluster-secret",
+        ),
+        ({"clusterSecret.existingSecret": "mine", "router.enabled": "true"}, "mine"),
+    ):
+        manifests = render(helm_bin, sets=sets)
+        created = [s for s in find(manifests, "Secret") if s["metadata"]["name"] == "r-weir-cluster-secret"]
+        assert bool(created) == ("clusterSecret.value" in sets)
+        deployments = find(manifests, "Deployment")
+        components = {d["metadata"]["labels"]["app.kubernetes.io/component"] for d in deployments}
+        assert {"frontend", "router", "worker"} <= components
+        for deployment in deployments:
+            env = {e["name"]: e for e in _container(deployment)["env"]}
+            ref = env["WEIR_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"]
+            assert ref == {"name": name, "key": "cluster-secret"}, deployment["metadata"]["name"]
 
 
 def test_operator_role_grants_what_the_cli_uses(helm_bin: str) -> None:

@@ -6,6 +6,7 @@ run the same way, each of its Deployments a process, and serves a chat completio
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -40,6 +41,11 @@ def container_env(manifests: list[Manifest], container: Manifest, pod_ip: str) -
             env[var["name"]] = var["value"]
         elif var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
             env[var["name"]] = pod_ip
+        elif "secretKeyRef" in var.get("valueFrom", {}):  # a Secret the chart rendered
+            ref = var["valueFrom"]["secretKeyRef"]
+            env[var["name"]] = base64.b64decode(
+                one(manifests, "Secret", ref["name"])["data"][ref["key"]]
+            ).decode()
         else:  # a Secret, another field: the processes would run without it, so say so
             pytest.fail(f"no local stand-in for the env var {var}")
     return env
@@ -218,7 +224,11 @@ def local_pods(manifests: list[Manifest], etcd_url: str, nats_url: str, scratch:
 
 @pytest.mark.parametrize(
     ("example", "sets"),
-    [*((path, {}) for path in CPU_EXAMPLES), (CPU_EXAMPLES[0], {"router.enabled": "true"})],
+    # The router case also closes the request plane: every process gets the cluster secret.
+    [
+        *((path, {}) for path in CPU_EXAMPLES),
+        (CPU_EXAMPLES[0], {"router.enabled": "true", "clusterSecret.value": "chart-test-cluster-secret"}),
+    ],
     ids=[*(path.name for path in CPU_EXAMPLES), f"{CPU_EXAMPLES[0].name}+router.enabled"],
 )
 def test_cpu_example_runs_and_serves_a_chat(

@@ -107,3 +107,15 @@ under `helm template`, which therefore shows `replicas`. Args: (dict "root" $ "p
 {{- .pool.replicas -}}
 {{- end -}}
 {{- end -}}
+
+{{- define "weir.clusterSecretEnv" -}}
+{{- with .Values.clusterSecret }}
+{{- if or .existingSecret .value }}
+- name: WEIR_CLUSTER_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ default (printf "%s-cluster-secret" (include "weir.fullname" $)) .existingSecret }}
+      key: {{ .secretKey }}
+{{- end }}
+{{- end }}
+{{- end -}}

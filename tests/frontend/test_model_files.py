@@ -28,13 +28,16 @@ WORKER = """
 import asyncio, sys
 from backends.mocker.config import MockerConfig
 from backends.mocker.engine import MockerEngine
+from tokenizers import Tokenizer
 from orchestrator.runtime.discovery import make_discovery
 from orchestrator.runtime.events import make_event_plane
 from orchestrator.runtime.worker_host import WorkerHost, serve_workers
 
 async def main():
     etcd, nats, namespace = sys.argv[1:4]
-    config = MockerConfig(model_name="remote-model", model_path="tok", speedup=1000, vocab_size=400)
+    # The worker checks prompt ids against its vocabulary: it must be the tokenizer's.
+    vocab = Tokenizer.from_file("tok/tokenizer.json").get_vocab_size(with_added_tokens=True)
+    config = MockerConfig(model_name="remote-model", model_path="tok", speedup=1000, vocab_size=vocab)
     discovery, events = make_discovery(etcd, namespace), make_event_plane(nats)
     await serve_workers([WorkerHost(MockerEngine(config), discovery, events, namespace)], drain_timeout=5)
     await asyncio.gather(discovery.close(), events.close())

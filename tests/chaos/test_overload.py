@@ -4,7 +4,10 @@ admitted requests' time to first token stays within the queue wait plus service 
 stays fast and the server's memory bounded. Prints one JSON line of figures.
 
 Scaled down from the report's 3,000 requests at concurrency 1,500 to 600 at 300: the
-development machine has 2 cores shared with other test runs, and the client runs on it too."""
+development machine has 2 cores shared with other test runs, and the client runs on it too.
+At the full 3,000 / 1,500 (REQUESTS and CONCURRENCY edited) the statuses, TTFT and memory
+bounds hold, but /health's p99 was 280 ms: one frontend process's event loop takes the whole
+burst of connections (a multi-process frontend is issue #16's)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 import psutil
 import pytest
@@ -71,25 +75,29 @@ def test_overload_gets_200_or_429_with_bounded_latency(tmp_path: Path) -> None:
         ttft_s: list[float] = []
         body = {"model": model, "prompt": "hello", "max_tokens": 50, "ignore_eos": True, "stream": True}
 
-        async def one(client: httpx.AsyncClient, gate: asyncio.Semaphore) -> None:
+        async def one(client: aiohttp.ClientSession, gate: asyncio.Semaphore) -> None:
             nonlocal missing_retry_after
             async with gate:
                 started = time.perf_counter()
-                async with client.stream("POST", "/v1/completions", json=body) as response:
-                    statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
-                    if response.status_code == 429 and "retry-after" not in response.headers:
+                async with client.post(f"{base_url}/v1/completions", json=body) as response:
+                    statuses[response.status] = statuses.get(response.status, 0) + 1
+                    if response.status == 429 and "Retry-After" not in response.headers:
                         missing_retry_after += 1
                     first = True
-                    async for line in response.aiter_lines():
-                        if first and line.startswith("data: "):
+                    async for line in response.content:
+                        if first and line.startswith(b"data: "):
                             ttft_s.append(time.perf_counter() - started)
                             first = False
 
         async def load() -> float:
+            # aiohttp, not httpx: at 300 concurrent streams httpx's connection pool alone put
+            # ~10 s into the client-side time to first token (p99 12 s against 2.9 s with
+            # aiohttp, same server, same load), which would hide the server's own figure.
             gate = asyncio.Semaphore(CONCURRENCY)
-            limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY)
+            connector = aiohttp.TCPConnector(limit=CONCURRENCY)
+            timeout = aiohttp.ClientTimeout(total=120)
             started = time.perf_counter()
-            async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as client:
+            async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
                 await asyncio.gather(*(one(client, gate) for _ in range(REQUESTS)))
             return time.perf_counter() - started
 
@@ -120,7 +128,4 @@ def test_overload_gets_200_or_429_with_bounded_latency(tmp_path: Path) -> None:
     assert not health_bad
     assert _p99(health_ms) < 100
     assert rss_peak - rss_before < 300 << 20
-    if _p99(ttft_s) >= MAX_QUEUE_WAIT_S + SERVICE_S:
-        # Known gap, measured 12 s here: not yet known whether the tail is the admitted
-        # requests' service time at the worker or this client's own 300 connections.
-        pytest.xfail(f"admitted TTFT p99 {_p99(ttft_s):.1f} s over {MAX_QUEUE_WAIT_S + SERVICE_S:g} s")
+    assert _p99(ttft_s) < MAX_QUEUE_WAIT_S + SERVICE_S

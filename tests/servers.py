@@ -73,13 +73,14 @@ def etcd_server(workdir: Path) -> Iterator[str]:
 
 
 @contextmanager
-def nats_server(workdir: Path) -> Iterator[str]:
-    """Yields nats://127.0.0.1:PORT, with JetStream enabled."""
+def nats_server(workdir: Path, *options: str) -> Iterator[str]:
+    """Yields nats://127.0.0.1:PORT, with JetStream enabled and nats-server's `options`
+    (`--user`/`--pass`, `--tls ...`) added."""
     binary = find_binary("nats-server", "/usr/sbin/nats-server", "/usr/bin/nats-server")
     if binary is None:
         raise RuntimeError("nats-server not found: install Debian's nats-server")
     port = free_port()
-    args = [binary, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(workdir / "nats")]
+    args = [binary, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(workdir / "nats"), *options]
     with _process(args, port, workdir / "nats.log"):
         yield f"nats://127.0.0.1:{port}"
 

@@ -26,6 +26,7 @@ from orchestrator.frontend.server import FrontendServer, create_app
 from orchestrator.runtime.discovery import Discovery, make_discovery
 from orchestrator.runtime.events import EventPlane, make_event_plane
 from orchestrator.runtime.request_plane import PlaneSecurity, WorkerClient
+from orchestrator.runtime.urls import redacted
 
 _DEFAULTS = FrontendConfig()
 
@@ -204,7 +205,9 @@ async def _serve(config: FrontendConfig, args: argparse.Namespace, stop: asyncio
             discovery,
             events,
             stop,
-            banner=lambda url: f"weir frontend on {url} (etcd {args.etcd}, nats {args.nats})",
+            banner=lambda url: (
+                f"weir frontend on {url} (etcd {redacted(args.etcd)}, nats {redacted(args.nats)})"
+            ),
         )
     finally:
         await asyncio.gather(discovery.close(), events.close(), return_exceptions=True)

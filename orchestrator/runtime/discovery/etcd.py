@@ -20,7 +20,7 @@ import contextlib
 import logging
 import math
 from collections.abc import AsyncIterator, Iterator
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 import aetcd
 
@@ -62,6 +62,9 @@ class EtcdDiscovery(Discovery):
         self._client = aetcd.Client(
             host=parsed.hostname or "127.0.0.1",
             port=parsed.port or 2379,
+            # etcd's own authentication: http://user:password@host:2379
+            username=unquote(parsed.username) if parsed.username else None,
+            password=unquote(parsed.password) if parsed.password else None,
             timeout=timeout,
             options=_GRPC_OPTIONS,
         )

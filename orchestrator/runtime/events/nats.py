@@ -1,5 +1,9 @@
 """Event plane on NATS (nats-py core pub/sub, no JetStream).
 
+Credentials travel in the URL as nats-py reads them (`nats://user:password@host:4222`,
+`nats://token@host:4222`) and never reach a log line; `tls://host:4222` connects over TLS,
+verified against the system's CAs or the bundle `SSL_CERT_FILE` names.
+
 The connection is made on first use and then kept by nats-py, which reconnects forever and
 re-subscribes on its own; while NATS is away, publishes are buffered (up to nats-py's pending
 size) and then fail, and subscriptions simply wait. A subscription made while NATS cannot be
@@ -19,6 +23,7 @@ from nats.errors import Error as NatsError
 
 from orchestrator.runtime.events.base import EventPlane, Subscription
 from orchestrator.runtime.throttled_log import ThrottledWarning
+from orchestrator.runtime.urls import redacted
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +33,7 @@ _RETRY_MAX_S = 2.0
 class NatsEventPlane(EventPlane):
     def __init__(self, url: str) -> None:
         self.url = url
+        self._shown = redacted(url)
         self._nc: Client | None = None
         self._lock = asyncio.Lock()
         self._subscriptions: set[NatsSubscription] = set()
@@ -73,14 +79,14 @@ class NatsEventPlane(EventPlane):
             self._nc = None
 
     async def _on_error(self, exc: Exception) -> None:
-        self.warn(f"NATS {self.url}: {exc!r}")
+        self.warn(f"NATS {self._shown}: {exc!r}")
 
     async def _on_disconnected(self) -> None:
         if not self._closing:
-            self.warn(f"NATS {self.url}: disconnected, reconnecting")
+            self.warn(f"NATS {self._shown}: disconnected, reconnecting")
 
     async def _on_reconnected(self) -> None:
-        log.info("NATS %s: reconnected", self.url)
+        log.info("NATS %s: reconnected", self._shown)
 
 
 class NatsSubscription(Subscription):

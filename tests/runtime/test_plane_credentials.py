@@ -95,3 +95,15 @@ async def test_etcd_user_and_password_in_the_url(tmp_path: Path, caplog: pytest.
             await authorized.close()
             await anonymous.close()
     assert PASSWORD not in caplog.text
+
+
+@pytest.mark.parametrize("command", ["worker", "frontend", "router", "status"])
+def test_etcd_over_tls_is_refused_on_the_command_line(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from orchestrator.cli.main import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser(only=command).parse_args([command, "--etcd", "https://etcd:2379"])
+    assert exit_.value.code == 2
+    assert "etcd over TLS is not supported" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from orchestrator.cli.main import build_parser
 from orchestrator.runtime.discovery import DiscoveryUnavailable, make_discovery
 from orchestrator.runtime.events import make_event_plane
 from orchestrator.runtime.protocol import Instance
@@ -101,8 +102,6 @@ async def test_etcd_user_and_password_in_the_url(tmp_path: Path, caplog: pytest.
 def test_etcd_over_tls_is_refused_on_the_command_line(
     command: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from orchestrator.cli.main import build_parser
-
     with pytest.raises(SystemExit) as exit_:
         build_parser(only=command).parse_args([command, "--etcd", "https://etcd:2379"])
     assert exit_.value.code == 2

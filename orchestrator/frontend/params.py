@@ -7,11 +7,9 @@ import json
 import msgspec
 
 from orchestrator.frontend.errors import InvalidRequest
-from orchestrator.frontend.protocol import INT64_MAX, GenerationRequest
+from orchestrator.frontend.protocol import INT64_MAX, MAX_CHOICES, GenerationRequest
 from orchestrator.runtime.protocol import GuidedSpec, SamplingOptions, WorkerRequest
 
-# n x prompts; each choice is a worker request.
-MAX_CHOICES = 256
 # Every stop string is searched for in every streamed delta of every choice: this bound on
 # their length, with `max_stop_strings` on their number, bounds that work per token.
 MAX_STOP_CHARS = 256

@@ -23,6 +23,10 @@ log = logging.getLogger("weir.frontend")
 # holds MAX_REPORTED_UNKNOWN names, new ones are no longer reported (nor remembered).
 MAX_REPORTED_UNKNOWN = 256
 MAX_REPORTED_NAME = 64
+# n x prompts; each choice is a worker request.
+MAX_CHOICES = 256
+# Far past any chat a context holds; bounds what one request makes the validator walk.
+MAX_MESSAGES = 16_384
 # Names listed in one request's log line; the rest of that request's new names are counted.
 _NAMES_PER_LINE = 8
 _reported_unknown: set[str] = set()
@@ -142,6 +146,15 @@ class GenerationRequest(_Lenient):
         return v
 
 
+def _check_length(value: Any, limit: int, what: str) -> Any:
+    """A list's length, checked before its items are validated: pydantic validates every item
+    (of every union member) first, which for a body of millions of tiny items takes seconds on
+    the event loop."""
+    if isinstance(value, list) and len(value) > limit:
+        raise ValueError(f"at most {limit} {what} per request")
+    return value
+
+
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -151,6 +164,11 @@ class ChatCompletionRequest(GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _few_enough_messages(cls, v: Any) -> Any:
+        return _check_length(v, MAX_MESSAGES, "messages")
+
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -159,6 +177,20 @@ class CompletionRequest(GenerationRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _few_enough_prompts(cls, v: Any) -> Any:
+        # A list of token ids is one prompt (bounded by the context later); a list of texts
+        # or of token lists is a batch, at most one prompt per choice. A token list with a
+        # stray non-integer is refused here, before each union member reports every item.
+        if not isinstance(v, list) or not v:
+            return v
+        if type(v[0]) is int:
+            if not all(type(token) is int for token in v):
+                raise ValueError("a prompt of token ids holds only integers")
+            return v
+        return _check_length(v, MAX_CHOICES, "prompts")
 
     @model_validator(mode="after")
     def _supported(self) -> CompletionRequest:

@@ -54,8 +54,10 @@ def test_stop_string_count_and_length(live: LiveFrontend) -> None:
 
 def test_choice_count_is_checked_before_tokenizing(live: LiveFrontend) -> None:
     start = time.perf_counter()
-    # Tokenizing these would take seconds; the choice check, coming first, answers at once.
-    _error(_post(live, "/v1/completions", prompt=["x" * 20_000] * 300), "n")
+    # Tokenizing these would take seconds; the prompt count, checked as the body is read,
+    # answers at once; prompts x n, checked before tokenizing, too.
+    _error(_post(live, "/v1/completions", prompt=["x" * 20_000] * 300), "prompt")
+    _error(_post(live, "/v1/completions", prompt=["x" * 20_000] * 200, n=2), "n")
     assert time.perf_counter() - start < 5
 
 
@@ -147,3 +149,20 @@ def test_openapi_describes_the_request_models(live: LiveFrontend) -> None:
     props = schema["components"]["schemas"]["CompletionRequest"]["properties"]
     assert {"prompt", "n", "stop", "max_tokens"} <= set(props)
     assert httpx.get(f"{live.url}/docs", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("prompt", ["a"] * 100_000),
+        ("prompt", [1, *["a"] * 100_000]),
+    ],
+    ids=["many prompts", "token ids with a stray string"],
+)
+def test_huge_prompt_lists_are_refused_at_their_shape(live: LiveFrontend, field: str, value: Any) -> None:
+    _error(_post(live, "/v1/completions", **{field: value}), "prompt")
+
+
+def test_too_many_chat_messages_are_refused(live: LiveFrontend) -> None:
+    messages = [{"role": "user", "content": "a"}] * 20_000
+    _error(_post(live, "/v1/chat/completions", messages=messages), "messages")

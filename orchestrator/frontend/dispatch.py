@@ -71,14 +71,14 @@ async def generate(
             entry.metrics.migrated(exc.code)
             failed.append(worker_id)
             if generated:
-                attempt, route = _resumed(request, generated, entry.card.block_size)
+                attempt, route = _resumed(request, route, generated, entry.card.block_size)
         finally:
             await stream.aclose()
             routes.on_finish(worker_id, request.request_id)
 
 
 def _resumed(
-    request: WorkerRequest, generated: list[int], block_size: int
+    request: WorkerRequest, route: RouteRequest, generated: list[int], block_size: int
 ) -> tuple[WorkerRequest, RouteRequest]:
     """The request continued after `generated`, its block hashes covering them too: the router
     then finds the worker that cached the most of prompt + output, and the worker reuses it."""
@@ -88,7 +88,7 @@ def _resumed(
         tokens[len(known) * block_size :], block_size, request.cache_salt, known[-1] if known else None
     )
     attempt = msgspec.structs.replace(request, generated_token_ids=list(generated), block_hashes=hashes)
-    return attempt, RouteRequest(request.request_id, len(tokens), hashes)
+    return attempt, RouteRequest(request.request_id, len(tokens), hashes, route.pinned_worker)
 
 
 def _continued(delta: TokenDelta, cached: int) -> TokenDelta:

@@ -230,17 +230,24 @@ class WorkerHost:
         card = self.engine.card
         # 2**32: the hash reads tokens as u32; an engine that knows its vocabulary says so.
         vocab = card.vocab_size or 2**32
-        for name, ids in (("token_ids", request.token_ids), ("stop_token_ids", request.stop_token_ids)):
+        for name, ids in (
+            ("token_ids", request.token_ids),
+            ("generated_token_ids", request.generated_token_ids),
+            ("stop_token_ids", request.stop_token_ids),
+        ):
             if ids and (min(ids) < 0 or max(ids) >= vocab):
                 raise EngineError("invalid_request", f"{name} holds ids outside the vocabulary [0, {vocab})")
-        if len(request.token_ids) > card.context_length:
+        # A migrated request prefills its prompt and the tokens already generated, and its
+        # hashes cover both (frontend/dispatch.py extends them).
+        tokens = [*request.token_ids, *request.generated_token_ids]
+        if len(tokens) > card.context_length:
             raise EngineError(
                 "invalid_request",
-                f"{len(request.token_ids)} prompt tokens exceed the context length {card.context_length}",
+                f"{len(tokens)} prompt and generated tokens exceed the context length {card.context_length}",
             )
-        hashes = block_hashes(request.token_ids, card.block_size, request.cache_salt)
+        hashes = block_hashes(tokens, card.block_size, request.cache_salt)
         if request.block_hashes and request.block_hashes != hashes:
-            raise EngineError("invalid_request", "block_hashes do not match the prompt's tokens")
+            raise EngineError("invalid_request", "block_hashes do not match the request's tokens")
         request.block_hashes = hashes
 
     async def _kv_snapshot(self, payload: bytes) -> AsyncGenerator[bytes, None]:

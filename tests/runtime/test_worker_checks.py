@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 
 from backends.mocker.config import MockerConfig
@@ -89,3 +90,24 @@ async def test_hashes_are_salted_as_the_request_says(worker: TcpWorkerClient) ->
     with pytest.raises(EngineError):  # unsalted hashes under a salt: not what the tokens give
         await first_delta(worker, req("b", tokens, cache_salt="tenant-b", block_hashes=salted))
     assert not (await first_delta(worker, req("c", tokens, cache_salt="tenant-b"))).cached_tokens
+
+
+async def test_a_migrated_requests_hashes_cover_its_generated_tokens(worker: TcpWorkerClient) -> None:
+    # The CI failure this guards: a request migrated after its output crossed a block boundary
+    # carries hashes of prompt + output (frontend/dispatch.py), and the worker refused them as
+    # "not the prompt's".
+    prompt, generated = list(range(300, 306)), list(range(400, 404))
+    resumed = WorkerRequest(
+        request_id="resumed",
+        token_ids=prompt,
+        generated_token_ids=generated,
+        block_hashes=block_hashes([*prompt, *generated], BLOCK),
+        max_tokens=len(generated) + 2,
+    )
+    assert (await first_delta(worker, resumed)).token_ids
+    with pytest.raises(EngineError) as refused:  # the prompt's hashes alone are not what it prefills
+        await first_delta(worker, msgspec.structs.replace(resumed, block_hashes=block_hashes(prompt, BLOCK)))
+    assert refused.value.code == "invalid_request"
+    out_of_vocab = msgspec.structs.replace(resumed, generated_token_ids=[VOCAB], block_hashes=[])
+    with pytest.raises(EngineError):
+        await first_delta(worker, out_of_vocab)

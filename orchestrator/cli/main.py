@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("orchestrator.cli.worker", "one engine worker (cluster mode)"),
     "router": ("orchestrator.cli.router", "the KV-aware router as a standalone service (cluster mode)"),
     "replay": ("orchestrator.cli.replay", "replay a Mooncake-format request trace"),
+    "bench": ("orchestrator.cli.bench", "benchmark a serving endpoint: latency percentiles, goodput"),
     "scale": ("orchestrator.cli.scale", "set a pool's replica count on Kubernetes"),
     "status": ("orchestrator.cli.status", "pools on Kubernetes and workers in discovery"),
     "drain": ("orchestrator.cli.drain", "stop routing to a worker and wait for its requests"),

@@ -84,9 +84,11 @@ async def _serve(
             events,
             stop,
             local,
+            # The worker addresses are what `weir bench --direct` dials to measure the engine
+            # with no frontend in front of it.
             banner=lambda url: (
                 f"weir serving {model} ({args.workers} {args.backend} worker"
-                f"{'s' if args.workers > 1 else ''}) on {url}"
+                f"{'s' if args.workers > 1 else ''} at {', '.join(h.address for h in hosts)}) on {url}"
             ),
         )
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -40,7 +41,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 def test_prints_one_line_with_address_and_model(served: Served) -> None:
     lines = served.log.read_text().splitlines()
-    assert lines == [f"weir serving {DEFAULT_MODEL} (2 mocker workers) on {served.base_url}"]
+    assert len(lines) == 1
+    assert re.fullmatch(
+        rf"weir serving {DEFAULT_MODEL} \(2 mocker workers at 127\.0\.0\.1:\d+, 127\.0\.0\.1:\d+\) "
+        rf"on {re.escape(served.base_url)}",
+        lines[0],
+    ), lines[0]
 
 
 def test_models(served: Served) -> None:
@@ -148,7 +154,8 @@ def test_default_serve_answers_with_deepinfer(tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
     with weir_process("serve", "--port", "0", log=log) as proc:
         base_url = wait_banner(proc, log)
-        assert f"weir serving {DEFAULT_MODEL} (1 {DEFAULT_BACKEND} worker) on {base_url}" in log.read_text()
+        banner = f"weir serving {DEFAULT_MODEL} (1 {DEFAULT_BACKEND} worker at 127.0.0.1:"
+        assert banner in log.read_text() and f") on {base_url}" in log.read_text()
         wait_healthy(base_url, proc, log)
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
         reply = client.chat.completions.create(

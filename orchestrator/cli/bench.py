@@ -241,7 +241,9 @@ async def _bench(args: argparse.Namespace, loads: list[Load]) -> int:
         _write(Path(args.output), result, points)
     print(json.dumps(_summary_line(result)))
     sys.stdout.flush()
-    return 0
+    # Failed requests are results (counted by type above); a load where none completed is
+    # a broken setup, which a script running the benchmark should not mistake for figures.
+    return 1 if any(not p.figures["completed"] for p in points) else 0
 
 
 def _openai(name: str, url: str, args: argparse.Namespace) -> OpenAITarget:

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,11 +45,12 @@ class Slo:
             if not sep or name not in ("ttft", "tpot", "e2e"):
                 raise ValueError(f"{part!r}: expected ttft=MS, tpot=MS or e2e=MS")
             try:
-                targets[f"{name}_ms"] = float(value)
+                ms = float(value)
             except ValueError:
                 raise ValueError(f"{part!r}: {value!r} is not a number of milliseconds") from None
-            if targets[f"{name}_ms"] <= 0:
-                raise ValueError(f"{part!r}: a target must be positive")
+            if not (math.isfinite(ms) and ms > 0):
+                raise ValueError(f"{part!r}: a target must be a positive number of milliseconds")
+            targets[f"{name}_ms"] = ms
         if not targets:
             raise ValueError("an SLO names at least one of ttft, tpot, e2e")
         return cls(**targets)
@@ -98,9 +100,11 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: Slo | No
     figures["output_token_throughput"] = round(sum(r.output_tokens for r in done) * per_s, 1)
     figures["input_tokens"] = input_tokens
     figures["output_tokens"] = sum(r.output_tokens for r in done)
-    reported = [r.cached_tokens for r in done if r.cached_tokens is not None]
-    figures["cached_tokens"] = sum(reported)
-    figures["cache_hit_rate"] = round(sum(reported) / input_tokens, 4) if reported and input_tokens else 0.0
+    # The hit rate is over the requests whose server said how much it had cached.
+    reported = [r for r in done if r.cached_tokens is not None]
+    cached, asked = sum(r.cached_tokens or 0 for r in reported), sum(r.input_tokens for r in reported)
+    figures["cached_tokens"] = cached
+    figures["cache_hit_rate"] = round(cached / asked, 4) if asked else 0.0
     if slo is not None:
         good = sum(slo.met(r) for r in records)
         figures["goodput"] = round(good * per_s, 3)

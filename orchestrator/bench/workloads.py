@@ -17,6 +17,7 @@ below the vocabulary size, so a seed names a workload exactly.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,17 +39,21 @@ class Lengths:
     @classmethod
     def parse(cls, text: str) -> Lengths:
         kind, _, values = text.partition(":")
+        usage = f"{text!r}: expected N, uniform:MIN,MAX or normal:MEAN,STD, with whole 1 <= MIN <= MAX"
         try:
             if not values:
-                return cls("fixed", _positive(int(kind)))
-            a, b = (float(v) for v in values.split(","))
-        except ValueError:
-            raise ValueError(f"{text!r}: expected N, uniform:MIN,MAX or normal:MEAN,STD") from None
+                n = int(kind)
+                if n < 1:
+                    raise ValueError(f"{text!r}: a length must be at least 1")
+                return cls("fixed", n)
+            a, b = (int(v) if kind == "uniform" else float(v) for v in values.split(","))
+        except ValueError as exc:
+            raise ValueError(str(exc) if "at least 1" in str(exc) else usage) from None
         if kind == "uniform" and 1 <= a <= b:
             return cls(kind, a, b)
-        if kind == "normal" and a >= 1 and b >= 0:
+        if kind == "normal" and math.isfinite(a) and math.isfinite(b) and a >= 1 and b >= 0:
             return cls(kind, a, b)
-        raise ValueError(f"{text!r}: expected uniform:MIN,MAX with 1 <= MIN <= MAX or normal:MEAN,STD")
+        raise ValueError(usage)
 
     def sample(self, rng: random.Random) -> int:
         if self.kind == "fixed":
@@ -59,12 +64,6 @@ class Lengths:
 
     def __str__(self) -> str:
         return str(int(self.a)) if self.kind == "fixed" else f"{self.kind}:{self.a:g},{self.b:g}"
-
-
-def _positive(n: int) -> int:
-    if n < 1:
-        raise ValueError("a length must be at least 1")
-    return n
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +146,7 @@ def shifted(sessions: list[Session], run: int, vocab_size: int) -> list[Session]
     """The same sessions with every token id moved by one per-run offset (mod the vocabulary):
     equal tokens stay equal, so lengths and prefix sharing are kept, but no run's prompts match
     another run's, and none is served from the cache an earlier run filled."""
-    offset = (run * 7919) % vocab_size or 1
+    offset = run % vocab_size  # runs are numbered from 1, and there are far fewer than ids
     return [
         dataclasses.replace(
             s,

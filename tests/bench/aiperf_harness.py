@@ -133,12 +133,18 @@ def aiperf_command(
     requests: int,
     warmup: int,
     artifacts: Path,
+    request_rate: float | None = None,
+    output_stddev: float = 0.0,
     workers: int = 1,
     record_processors: int = 1,
     seed: int | None = None,
 ) -> list[str]:
     """The `aiperf profile` argv for one run (see the module docstring)."""
-    extra = {"ignore_eos": True, "min_tokens": output_tokens, "max_tokens": output_tokens}
+    # Drawn output lengths reach the server as each request's max_tokens, which ignore_eos makes
+    # exact; a fixed length is also pinned by min_tokens and max_tokens.
+    extra: dict[str, object] = {"ignore_eos": True}
+    if not output_stddev:
+        extra |= {"min_tokens": output_tokens, "max_tokens": output_tokens}
     args = [
         executable,
         "profile",
@@ -146,7 +152,7 @@ def aiperf_command(
         *("--endpoint-type", "completions", "--streaming"),
         *("--tokenizer", tokenizer_dir, "--use-server-token-count"),
         *("--isl", str(input_tokens), "--isl-stddev", "0"),
-        *("--osl", str(output_tokens), "--osl-stddev", "0"),
+        *("--osl", str(output_tokens), "--osl-stddev", f"{output_stddev:g}"),
         *("--extra-inputs", json.dumps(extra)),
         *("--concurrency", str(concurrency), "--request-count", str(requests)),
         *("--num-dataset-entries", str(requests + max(warmup, 0))),
@@ -154,6 +160,8 @@ def aiperf_command(
         *("--ui-type", "none", "--no-server-metrics", "--no-gpu-telemetry"),
         *("--artifact-dir", str(artifacts)),
     ]
+    if request_rate is not None:  # open loop, Poisson arrivals; --concurrency then caps in-flight
+        args += ["--request-rate", str(request_rate), "--arrival-pattern", "poisson"]
     if warmup > 0:
         args += ["--warmup-request-count", str(warmup)]
     if seed is not None:
@@ -180,6 +188,8 @@ def run_aiperf(
     requests: int,
     warmup: int,
     artifacts: Path,
+    request_rate: float | None = None,
+    output_stddev: float = 0.0,
     workers: int = 1,
     record_processors: int = 1,
     seed: int | None = None,
@@ -200,6 +210,8 @@ def run_aiperf(
         requests=requests,
         warmup=warmup,
         artifacts=artifacts,
+        request_rate=request_rate,
+        output_stddev=output_stddev,
         workers=workers,
         record_processors=record_processors,
         seed=seed,

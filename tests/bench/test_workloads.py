@@ -82,7 +82,12 @@ def test_lengths_parse_normal_never_below_one() -> None:
         ("uniform:0,5", "1 <= MIN <= MAX"),
         ("normal:0,5", "normal:MEAN,STD"),
         ("normal:10,-1", "normal:MEAN,STD"),
-        ("poisson:3,4", "expected uniform:MIN,MAX"),
+        ("poisson:3,4", "expected N, uniform:MIN,MAX"),
+        ("0", "a length must be at least 1"),
+        ("uniform:1.5,2.5", "whole 1 <= MIN <= MAX"),  # would sample below MIN
+        ("uniform:1,inf", "whole 1 <= MIN <= MAX"),
+        ("normal:inf,1", "normal:MEAN,STD"),
+        ("normal:nan,1", "normal:MEAN,STD"),
     ],
 )
 def test_lengths_parse_rejects_bad_input(text: str, message: str) -> None:
@@ -245,7 +250,7 @@ def test_shifted_keeps_lengths_and_sharing_but_changes_ids() -> None:
     vocab = 1000
     base = shared_prefix_workload(6, 2, 16, Lengths.parse("uniform:4,9"), Lengths.parse("3"), vocab, seed=2)
     base += multi_turn_workload(2, 3, Lengths.parse("5"), Lengths.parse("2"), vocab, seed=3)
-    runs = {run: shifted(base, run, vocab) for run in (0, 1, 2)}
+    runs = {run: shifted(base, run, vocab) for run in (1, 2, 3)}
     for moved in runs.values():
         assert [s.id for s in moved] == [s.id for s in base]
         assert [s.label for s in moved] == [s.label for s in base]
@@ -262,10 +267,17 @@ def test_shifted_keeps_lengths_and_sharing_but_changes_ids() -> None:
             for j in range(i + 1, len(old)):
                 assert _positions_equal(new[i], new[j]) == _positions_equal(old[i], old[j])
     assert _prompts(runs[1]) != _prompts(runs[2])
-    assert _prompts(runs[0]) != _prompts(runs[1])
+    assert _prompts(runs[3]) != _prompts(runs[1])
     assert base == shared_prefix_workload(
         6, 2, 16, Lengths.parse("uniform:4,9"), Lengths.parse("3"), vocab, seed=2
     ) + multi_turn_workload(2, 3, Lengths.parse("5"), Lengths.parse("2"), vocab, seed=3)  # not mutated
+
+
+def test_shifted_runs_differ_whatever_the_vocabulary_size() -> None:
+    sessions = [Session([Turn([1, 2, 3], 1)])]
+    for vocab in (7919, 32000, 49152):  # 7919: the old offset's multiplier made runs collide
+        ids = [shifted(sessions, run, vocab)[0].turns[0].new_tokens for run in range(1, 50)]
+        assert len({tuple(i) for i in ids}) == len(ids), vocab
 
 
 def test_shifted_ids_stay_below_vocab_at_the_top() -> None:

@@ -9,8 +9,8 @@ The command line `run_aiperf` builds (values from its arguments)::
 
     aiperf profile --model MODEL --url URL --endpoint-type completions --streaming
         --tokenizer TOKENIZER_DIR --use-server-token-count
-        --isl INPUT_TOKENS --isl-stddev 0 --osl OUTPUT_TOKENS --osl-stddev 0
-        --extra-inputs '{"ignore_eos": true, "min_tokens": N, "max_tokens": N}'
+        --isl INPUT_TOKENS --isl-stddev 0 --osl OUTPUT_TOKENS --osl-stddev OUTPUT_STDDEV
+        --extra-inputs '{"ignore_eos": true, "min_tokens": N, "max_tokens": N}'  (N only if fixed)
         --concurrency C --request-count R --num-dataset-entries R+W --warmup-request-count W
         --workers-max 1 --record-processors 1 [--random-seed SEED]
         --ui-type none --no-server-metrics --no-gpu-telemetry --artifact-dir ARTIFACTS
@@ -133,7 +133,6 @@ def aiperf_command(
     requests: int,
     warmup: int,
     artifacts: Path,
-    request_rate: float | None = None,
     output_stddev: float = 0.0,
     workers: int = 1,
     record_processors: int = 1,
@@ -160,8 +159,6 @@ def aiperf_command(
         *("--ui-type", "none", "--no-server-metrics", "--no-gpu-telemetry"),
         *("--artifact-dir", str(artifacts)),
     ]
-    if request_rate is not None:  # open loop, Poisson arrivals; --concurrency then caps in-flight
-        args += ["--request-rate", str(request_rate), "--arrival-pattern", "poisson"]
     if warmup > 0:
         args += ["--warmup-request-count", str(warmup)]
     if seed is not None:
@@ -188,7 +185,6 @@ def run_aiperf(
     requests: int,
     warmup: int,
     artifacts: Path,
-    request_rate: float | None = None,
     output_stddev: float = 0.0,
     workers: int = 1,
     record_processors: int = 1,
@@ -210,7 +206,6 @@ def run_aiperf(
         requests=requests,
         warmup=warmup,
         artifacts=artifacts,
-        request_rate=request_rate,
         output_stddev=output_stddev,
         workers=workers,
         record_processors=record_processors,

@@ -20,7 +20,14 @@ from tests.cli.procs import wait_banner, wait_healthy, weir, weir_process
 
 pytestmark = pytest.mark.slow
 
-INPUT, OUTPUT, REQUESTS, WARMUP = 128, 64, 200, 10
+# Output lengths drawn (normal, mean 64, sd 16), not fixed: with every request the same length
+# and no think time, a closed loop stays in lockstep (the first 8 start together, so they end
+# together and their successors prefill together, forever), and how long it stays so depends on
+# the client's own dispatch jitter (aiperf's ZMQ credits add ~7 ms, weir bench's none). Fixed
+# 64-token outputs at concurrency 8 measured weir bench's TTFT p50 17-24 % above aiperf's and
+# TPOT 10 % below: a difference in the offered load, not in the measuring. Drawn lengths break
+# the lockstep for both.
+INPUT, OUTPUT, OUTPUT_SD, CONCURRENCY, REQUESTS, WARMUP = 128, 64, 16, 8, 200, 10
 # weir bench figure -> aiperf figure
 SAME = {
     "ttft_p50_ms": "ttft_p50_ms",
@@ -51,19 +58,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_default_model(Path(root) if root else tmp_path_factory.mktemp("weir-cache"))
 
 
-@pytest.mark.parametrize(("concurrency", "rate"), [(8, None)])
-def test_weir_bench_agrees_with_aiperf(
-    aiperf: str, model_dir: Path, tmp_path: Path, concurrency: int, rate: float | None
-) -> None:
+def test_weir_bench_agrees_with_aiperf(aiperf: str, model_dir: Path, tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
     serve = ["serve", "--backend", "mocker", "--model", str(model_dir), "--served-model-name", "smol"]
     with weir_process(*serve, "--port", "0", log=log) as proc:
         url = wait_banner(proc, log)
         wait_healthy(url, proc, log)
         done = weir(
-            "bench", "--url", url, "--input-tokens", str(INPUT), "--output-tokens", f"normal:{OUTPUT},16",
-            "--concurrency", str(concurrency), "--num-requests", str(REQUESTS), "--warmup", str(WARMUP),
-            "--tokenizer", str(model_dir), *(["--request-rate", str(rate)] if rate else []), timeout=300,
+            "bench", "--url", url, "--input-tokens", str(INPUT),
+            "--output-tokens", f"normal:{OUTPUT},{OUTPUT_SD}", "--concurrency", str(CONCURRENCY),
+            "--num-requests", str(REQUESTS), "--warmup", str(WARMUP), "--tokenizer", str(model_dir),
+            timeout=300,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
         ours = json.loads(done.stdout.strip().splitlines()[-1])["points"][0]
@@ -74,9 +79,8 @@ def test_weir_bench_agrees_with_aiperf(
             str(model_dir),
             input_tokens=INPUT,
             output_tokens=OUTPUT,
-            concurrency=concurrency,
-            request_rate=rate,
-            output_stddev=16,
+            concurrency=CONCURRENCY,
+            output_stddev=OUTPUT_SD,
             requests=REQUESTS,
             warmup=WARMUP,
             artifacts=tmp_path / "aiperf",

@@ -6,7 +6,8 @@ A Mooncake trace line is `{"timestamp": ms, "input_length": n, "output_length": 
 named by `hash_ids[i]`, and equal ids mean equal content with an equal prefix. Tokens are
 derived from the id alone, so equal ids give equal tokens and hence equal engine block
 hashes at any engine block size. The drivers live above the router: the offline one in
-`backends.mocker.replay` (it runs mocker engines), the online one in `router.replay_online`.
+`backends.mocker.replay` (it runs mocker engines); online, `weir bench --workload trace`
+(`orchestrator/bench/`) sends the same tokens to a running server.
 """
 
 from __future__ import annotations

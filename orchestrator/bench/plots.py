@@ -16,6 +16,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display, no GUI toolkit
 
 import matplotlib.pyplot as plt
+import numpy as np
 
 from orchestrator.bench.report import Point, ratios
 from orchestrator.bench.stats import latencies_ms
@@ -87,11 +88,17 @@ def _goodput(out: Path, points: list[Point], targets: list[str]) -> Path:
 def _distributions(out: Path, points: list[Point], targets: list[str]) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, metric in zip(axes, ("ttft", "itl"), strict=True):
+        low, high = float("inf"), 0.0
         for p in points:
             values = [v for records in p.records for v in latencies_ms(records)[metric]]
             if values:
-                ax.hist(values, bins=50, histtype="step", label=f"{p.target} {p.load.label}")
-        ax.set_xlabel(f"{metric.upper()} (ms)")
+                # Bins over the bulk (to p99.5): a few stalls would squeeze the rest into one bin.
+                span = (min(values), float(np.percentile(values, 99.5)))
+                low, high = min(low, span[0]), max(high, span[1])
+                ax.hist(values, bins=50, range=span, histtype="step", label=f"{p.target} {p.load.label}")
+        if high > low:
+            ax.set_xlim(low, high)
+        ax.set_xlabel(f"{metric.upper()} (ms, to p99.5)")
         ax.set_ylabel("count")
         ax.set_title(f"{metric.upper()} distribution")
         ax.grid(alpha=0.3)

@@ -120,19 +120,21 @@ def multi_turn_workload(
     ]
 
 
-def trace_workload(path: str | Path, scale: int, vocab_size: int, max_requests: int | None) -> list[Session]:
+def trace_workload(
+    path: str | Path, scale: int, vocab_size: int, max_requests: int | None, block_size: int = MOONCAKE_BLOCK
+) -> list[Session]:
     """The trace's requests as one-turn sessions on their timestamps (seconds from the first).
-    Raises ValueError for a scale that does not divide Mooncake's 512-token block, or a trace
-    with no valid line."""
-    if scale < 1 or MOONCAKE_BLOCK % scale:
-        raise ValueError(f"--scale must divide {MOONCAKE_BLOCK}; got {scale}")
-    requests, errors = read_trace(path, MOONCAKE_BLOCK)
+    `block_size`: tokens per hash id in the trace (Mooncake's 512). Raises ValueError for a
+    scale that does not divide it, or a trace with no valid line."""
+    if scale < 1 or block_size % scale:
+        raise ValueError(f"--scale must divide the trace's block size {block_size}; got {scale}")
+    requests, errors = read_trace(path, block_size)
     if errors and not requests:
         raise ValueError(errors[0])
     requests = requests[:max_requests] if max_requests else requests
     if not requests:
         raise ValueError(f"{path}: no valid trace line")
-    blocks = TraceTokens(MOONCAKE_BLOCK // scale, vocab_size)
+    blocks = TraceTokens(block_size // scale, vocab_size)
     first = requests[0].timestamp_ms
     sessions = []
     for i, request in enumerate(requests):

@@ -67,7 +67,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     work = parser.add_argument_group("workload")
     work.add_argument("--workload", choices=WORKLOADS, default="random")
     work.add_argument(
-        "--num-requests", type=int, default=200, help="requests (multi-turn: sessions); default 200"
+        "--num-requests",
+        type=_at_least_one,
+        help="requests (multi-turn: sessions); default 200, a trace's first N (default all)",
     )
     work.add_argument(
         "--input-tokens",
@@ -84,15 +86,27 @@ def register(parser: argparse.ArgumentParser) -> None:
         metavar="LEN",
         help="tokens to generate, same forms (default 128)",
     )
-    work.add_argument("--prefix-groups", type=int, default=8, help="shared-prefix: groups (default 8)")
-    work.add_argument("--prefix-tokens", type=int, default=1024, help="shared-prefix: tokens (default 1024)")
-    work.add_argument("--turns", type=int, default=4, help="multi-turn: turns per session (default 4)")
+    work.add_argument(
+        "--prefix-groups", type=_at_least_one, default=8, help="shared-prefix: groups (default 8)"
+    )
+    work.add_argument(
+        "--prefix-tokens", type=_at_least_one, default=1024, help="shared-prefix: tokens (default 1024)"
+    )
+    work.add_argument(
+        "--turns", type=_at_least_one, default=4, help="multi-turn: turns per session (default 4)"
+    )
     work.add_argument("--trace", metavar="JSONL", help="trace: a Mooncake-format trace")
     work.add_argument(
         "--scale",
-        type=int,
+        type=_at_least_one,
         default=1,
         help="trace: divide input lengths by k, blocks become 512/k tokens (default 1)",
+    )
+    work.add_argument(
+        "--trace-block-size",
+        type=_at_least_one,
+        default=512,
+        help="trace: tokens per hash id (Mooncake's: 512)",
     )
     work.add_argument(
         "--tokenizer",
@@ -101,7 +115,9 @@ def register(parser: argparse.ArgumentParser) -> None:
         "re-tokenize replies in multi-turn completions (default: the --direct worker's, if any)",
     )
     work.add_argument(
-        "--vocab-size", type=int, help="prompt ids fall below this (default: the tokenizer's, else 32000)"
+        "--vocab-size",
+        type=_at_least_one,
+        help="prompt ids fall below this (default: the tokenizer's, else 32000)",
     )
     work.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default 0)")
 
@@ -125,7 +141,9 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="trace: divide timestamps by S (default 1); a list sweeps",
     )
     load.add_argument("--warmup", type=int, default=0, help="warm-up requests per target, not measured")
-    load.add_argument("--repeats", type=int, default=1, help="runs per load; medians and ranges reported")
+    load.add_argument(
+        "--repeats", type=_at_least_one, default=1, help="runs per load; medians and ranges reported"
+    )
 
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--temperature", type=float, default=0.0, help="(default 0: greedy)")
@@ -158,6 +176,13 @@ METRICS_HELP = """metrics (docs/bench.md):
   percentiles linearly interpolated; throughput over first send to last finish;
   goodput: requests per second meeting every --slo target (DistServe); good: their fraction
 """
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
 
 
 def _int_list(text: str) -> list[int]:
@@ -287,15 +312,15 @@ async def _tokenizer(
 
 
 def _workload(args: argparse.Namespace, vocab_size: int) -> list[Session]:
-    n, inputs, outputs, seed = args.num_requests, args.input_tokens, args.output_tokens, args.seed
+    if args.workload == "trace":
+        return trace_workload(args.trace, args.scale, vocab_size, args.num_requests, args.trace_block_size)
+    n, inputs, outputs, seed = args.num_requests or 200, args.input_tokens, args.output_tokens, args.seed
     if args.workload == "shared-prefix":
         return shared_prefix_workload(
             n, args.prefix_groups, args.prefix_tokens, inputs, outputs, vocab_size, seed
         )
     if args.workload == "multi-turn":
         return multi_turn_workload(n, args.turns, inputs, outputs, vocab_size, seed)
-    if args.workload == "trace":
-        return trace_workload(args.trace, args.scale, vocab_size, args.num_requests)
     return random_workload(n, inputs, outputs, vocab_size, seed)
 
 

@@ -1,16 +1,15 @@
 """`weir replay TRACE.jsonl`: replay a Mooncake-format trace.
 
 Offline (the default): the real router against `--workers` mocker engines in virtual time,
-so a 4,000-request trace takes seconds. Online (`--url`): the trace's requests sent in real
-time (divided by `--speedup`) to a running frontend. Both print TTFT, inter-token and
-end-to-end latency percentiles, throughput, prefix hit rate and the per-worker spread, then
-one JSON line of the figures.
+so a 4,000-request trace takes seconds; it prints TTFT, inter-token and end-to-end latency
+percentiles, throughput, prefix hit rate and the per-worker spread, then one JSON line of the
+figures. Online (`--url`): weir bench's trace workload against a running server, the trace's
+requests sent in real time (divided by `--trace-speedup`), with bench's table and JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 import time
@@ -67,6 +66,8 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.url:
+        return _online(args)
     if args.trace_block_size % args.block_size:
         size, trace_size = args.block_size, args.trace_block_size
         sys.stderr.write(f"weir replay: --block-size {size} must divide --trace-block-size {trace_size}\n")
@@ -89,19 +90,30 @@ def run(args: argparse.Namespace) -> int:
         def finished(_: RequestRecord) -> None:
             bar.update()
 
-        if args.url:
-            from router.replay_online import replay_online
-
-            records = asyncio.run(
-                replay_online(args.url, trace, tokens, args.served_model_name, args.trace_speedup, finished)
-            )
-            label = "frontend"
-        else:
-            records = _offline(args, trace, tokens, finished)
-            label = args.router_mode if args.router_mode != "kv" or not args.no_kv_events else "kv-approx"
+        records = _offline(args, trace, tokens, finished)
+    label = args.router_mode if args.router_mode != "kv" or not args.no_kv_events else "kv-approx"
     print(f"replayed {len(trace)} requests in {time.perf_counter() - started:.1f} s wall", file=sys.stderr)
     report(summarize(records, label), args.output_file)
     return 0
+
+
+def _online(args: argparse.Namespace) -> int:
+    """The trace against a running server is `weir bench --workload trace`: one online driver."""
+    if args.output_file:
+        print(
+            "weir replay: --output-file is offline only; online, use weir bench --output DIR", file=sys.stderr
+        )
+        return 2
+    from orchestrator.cli.main import main as weir
+
+    argv = ["bench", "--url", args.url, "--workload", "trace", "--trace", args.trace]
+    argv += ["--trace-speedup", str(args.trace_speedup), "--trace-block-size", str(args.trace_block_size)]
+    argv += ["--vocab-size", str(args.vocab_size)]
+    if args.served_model_name:
+        argv += ["--model", args.served_model_name]
+    if args.max_requests:
+        argv += ["--num-requests", str(args.max_requests)]
+    return weir(argv)
 
 
 def _offline(

@@ -226,7 +226,7 @@ def test_trace_workload_orders_by_timestamp_and_honours_max_requests(tmp_path: P
 @pytest.mark.parametrize("scale", [0, 3, 5, 1024, -2])
 def test_trace_workload_rejects_a_scale_not_dividing_512(tmp_path: Path, scale: int) -> None:
     trace = _write_trace(tmp_path / "trace.jsonl", TRACE)
-    with pytest.raises(ValueError, match=f"must divide 512; got {scale}"):
+    with pytest.raises(ValueError, match=f"must divide the trace.s block size 512; got {scale}"):
         trace_workload(trace, scale, VOCAB, None)
 
 

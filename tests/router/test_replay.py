@@ -3,7 +3,6 @@ and online replay against a live frontend."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -14,7 +13,6 @@ from backends.mocker.replay import OfflineReplay
 from orchestrator.cli.main import main as weir
 from orchestrator.runtime.hashing import block_hashes
 from router.replay import RequestRecord, TraceRequest, TraceTokens, read_trace, summarize
-from router.replay_online import replay_online
 from router.router import make_router
 from tests.frontend.live_frontend import live_frontend
 from tests.frontend.tokenizer_dirs import build_chatml
@@ -124,17 +122,17 @@ def test_offline_replay_reports_each_request_once_as_it_ends() -> None:
     assert all(r.finish_ms is not None for r in seen if r.error is None)  # reported once finished
 
 
-def test_online_replay_against_a_live_frontend(tmp_path: Path) -> None:
+def test_online_replay_is_weir_bench_on_the_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # the mocker caches 64-token blocks: 4 requests share each first block, so with two
     # workers at least two requests find their first block cached wherever they land
-    trace = [TraceRequest(i, i * 20.0, 192, 4, (i % 2, 10 + i % 3, 100 + i)) for i in range(8)]
-    tokens = TraceTokens(trace_block_size=64, vocab_size=300)
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(line(i * 20.0, 192, 4, [i % 2, 10 + i % 3, 100 + i]) + "\n" for i in range(8)))
     with live_frontend(build_chatml(tmp_path / "tok"), num_workers=2, router_mode="kv") as live:
-        seen: list[RequestRecord] = []
-        records = asyncio.run(replay_online(live.url, trace, tokens, None, 2.0, seen.append))
-    assert sorted(map(id, seen)) == sorted(map(id, records))
-    figures = summarize(records, "frontend").figures
-    assert figures["completed"] == 8, [r.error for r in records]
-    assert all(r.output_tokens == 4 for r in records)
-    assert isinstance(figures["hit_rate"], float) and figures["hit_rate"] > 0
-    assert figures["ttft_p99_ms"] is not None and figures["e2e_p99_ms"] is not None
+        argv = ["replay", str(trace), "--url", live.url, "--trace-block-size", "64", "--vocab-size", "300"]
+        code = weir([*argv, "--trace-speedup", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    point = json.loads(out.strip().splitlines()[-1])["points"][0]
+    assert (point["load"], point["completed"], point["errors"]) == ("trace x2", 8, {}), point
+    assert point["cache_hit_rate"] > 0 and point["ttft_p99_ms"] is not None, point
+    assert weir(["replay", str(trace), "--url", live.url, "--output-file", str(tmp_path / "x")]) == 2

@@ -5,7 +5,7 @@ endpoint, synthetic prompts, forced output lengths, summary figures back as a di
 aiperf lives in its own virtual environment (its dependency set clashes with ours); point
 `WEIR_AIPERF` at its console script, e.g. `WEIR_AIPERF=/work/aiperf-venv/bin/aiperf`.
 
-The command line `run_aiperf` builds (values from its arguments)::
+The command line `aiperf_command` builds (values from its arguments)::
 
     aiperf profile --model MODEL --url URL --endpoint-type completions --streaming
         --tokenizer TOKENIZER_DIR --use-server-token-count
@@ -173,44 +173,11 @@ def aiperf_env() -> dict[str, str]:
     return env
 
 
-def run_aiperf(
-    executable: str,
-    url: str,
-    model: str,
-    tokenizer_dir: str,
-    *,
-    input_tokens: int,
-    output_tokens: int,
-    concurrency: int,
-    requests: int,
-    warmup: int,
-    artifacts: Path,
-    output_stddev: float = 0.0,
-    workers: int = 1,
-    record_processors: int = 1,
-    seed: int | None = None,
-    timeout: float = 900.0,
-) -> dict[str, float]:
-    """One `aiperf profile` run against the server at `url` (base URL, no /v1); its summary
-    figures (times in ms, throughputs per second). Raises AiperfError with the tail of aiperf's
-    output if it fails. aiperf's console output is kept in `artifacts`/aiperf.log."""
+def run_aiperf(argv: list[str], artifacts: Path, timeout: float = 900.0) -> dict[str, float]:
+    """Run `aiperf_command`'s argv (writing into `artifacts`); its summary figures (times in
+    ms, throughputs per second). Raises AiperfError with the tail of aiperf's output if it
+    fails. aiperf's console output is kept in `artifacts`/aiperf.log."""
     artifacts.mkdir(parents=True, exist_ok=True)
-    argv = aiperf_command(
-        executable,
-        url,
-        model,
-        tokenizer_dir,
-        input_tokens=input_tokens,
-        output_tokens=output_tokens,
-        concurrency=concurrency,
-        requests=requests,
-        warmup=warmup,
-        artifacts=artifacts,
-        output_stddev=output_stddev,
-        workers=workers,
-        record_processors=record_processors,
-        seed=seed,
-    )
     log = artifacts / "aiperf.log"
     with log.open("wb") as out:
         try:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from backends.deepinfer.smollm2 import ensure_default_model, gguf_path
-from tests.bench.aiperf_harness import aiperf_executable, run_aiperf
+from tests.bench.aiperf_harness import aiperf_command, aiperf_executable, run_aiperf
 from tests.cli.procs import wait_banner, wait_healthy, weir, weir_process
 
 pytestmark = pytest.mark.slow
@@ -72,7 +72,7 @@ def test_weir_bench_agrees_with_aiperf(aiperf: str, model_dir: Path, tmp_path: P
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
         ours = json.loads(done.stdout.strip().splitlines()[-1])["points"][0]
-        theirs = run_aiperf(
+        command = aiperf_command(
             aiperf,
             url,
             "smol",
@@ -85,6 +85,7 @@ def test_weir_bench_agrees_with_aiperf(aiperf: str, model_dir: Path, tmp_path: P
             warmup=WARMUP,
             artifacts=tmp_path / "aiperf",
         )
+        theirs = run_aiperf(command, tmp_path / "aiperf")
     assert ours["completed"] == theirs["requests_completed"] == REQUESTS
     compared = {name: (ours[name], theirs[other], ours[name] / theirs[other]) for name, other in SAME.items()}
     print(json.dumps({"weir_bench_over_aiperf": {k: round(v[2], 3) for k, v in compared.items()}}))

@@ -249,3 +249,16 @@ def _tail(log: Path, chars: int = 4000) -> str:
     except OSError:
         return ""
     return f"; the end of its output ({log}):\n{text[-chars:]}"
+
+
+def request_ttfts_ms(artifacts: Path) -> list[float]:
+    """Every profiled request's TTFT (ms) from the run's per-request export (profile_export.jsonl)."""
+    ttfts = []
+    for line in (artifacts / "profile_export.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if (
+            record["metadata"]["benchmark_phase"] == "profiling"
+            and "time_to_first_token" in record["metrics"]
+        ):
+            ttfts.append(float(record["metrics"]["time_to_first_token"]["value"]))
+    return ttfts

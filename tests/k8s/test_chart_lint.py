@@ -20,6 +20,8 @@ ALL_FEATURES = {
     "networkPolicy.enabled": "true",
     "router.enabled": "true",
     "frontend.apiKey.value": "secret",
+    "requestPlaneTLS.enabled": "true",
+    "requestPlaneTLS.secretName": "weir-tls",
     "etcd.persistence.enabled": "true",
     "operatorRole.subjects[0].kind": "User",
     "operatorRole.subjects[0].name": "alice",

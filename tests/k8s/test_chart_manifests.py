@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.k8s.helm import CHART, Manifest, find, one, pod_specs, render
+from tests.k8s.helm import CHART, Manifest, find, helm, one, pod_specs, render, template_args
 
 EXAMPLES = CHART / "examples"
 
@@ -288,6 +288,63 @@ def test_cluster_secret_reaches_frontend_router_and_workers(helm_bin: str) -> No
             env = {e["name"]: e for e in _container(deployment)["env"]}
             ref = env["WEIR_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"]
             assert ref == {"name": name, "key": "cluster-secret"}, deployment["metadata"]["name"]
+
+
+TLS_DIR = "/etc/weir/request-plane-tls"
+
+
+def test_request_plane_tls_mounts_the_secret_and_passes_the_flags(helm_bin: str) -> None:
+    """Workers serve (cert, key), the router serves and dials (cert, key, CA), the frontend only
+    dials and sees ca.crt alone; the Secret is mounted read-only. Off by default: no trace."""
+    for manifests in (render(helm_bin, sets={"router.enabled": "true"}), render(helm_bin)):
+        for deployment in find(manifests, "Deployment"):
+            pod = deployment["spec"]["template"]["spec"]
+            container = _container(deployment)
+            assert not [a for a in container["args"] if a.startswith("--tls-")]
+            assert not [v for v in pod["volumes"] if v["name"] == "request-plane-tls"]
+            assert not [m for m in container["volumeMounts"] if m["name"] == "request-plane-tls"]
+            assert not [e for e in container.get("env", []) if e["name"].startswith("WEIR_TLS")]
+
+    sets = {
+        "router.enabled": "true",
+        "requestPlaneTLS.enabled": "true",
+        "requestPlaneTLS.secretName": "weir-tls",
+    }
+    manifests = render(helm_bin, EXAMPLES / "mocker-cpu.yaml", sets=sets)
+    serve = [f"--tls-cert={TLS_DIR}/tls.crt", f"--tls-key={TLS_DIR}/tls.key"]
+    dial = [f"--tls-ca={TLS_DIR}/ca.crt"]
+    expected = {"worker": (serve, None), "router": (serve + dial, None), "frontend": (dial, ["ca.crt"])}
+    seen = []
+    for deployment in find(manifests, "Deployment"):
+        component = deployment["metadata"]["labels"]["app.kubernetes.io/component"]
+        flags, items = expected[component]
+        seen.append(component)
+        container = _container(deployment)
+        assert [a for a in container["args"] if a.startswith("--tls-")] == flags, deployment["metadata"][
+            "name"
+        ]
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == "request-plane-tls"]
+        assert mount == {"name": "request-plane-tls", "mountPath": TLS_DIR, "readOnly": True}
+        (volume,) = [
+            v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]
+        ]
+        assert volume["secret"]["secretName"] == "weir-tls"
+        assert [i["key"] for i in volume["secret"].get("items", [])] == (items or [])
+    assert sorted(seen) == ["frontend", "router", "worker", "worker"]
+    # The chart only names the Secret (cert-manager or the user makes it).
+    assert not [s for s in find(manifests, "Secret") if s["metadata"]["name"] == "weir-tls"]
+
+
+def test_request_plane_tls_needs_a_secret_name(helm_bin: str) -> None:
+    for sets in (
+        {"requestPlaneTLS.enabled": "true"},
+        {"requestPlaneTLS.enabled": "true", "requestPlaneTLS.secretName": ""},
+    ):
+        result = helm(helm_bin, *template_args(sets=sets), check=False)
+        assert result.returncode != 0, sets
+        assert "requestPlaneTLS" in result.stderr and "secretName" in result.stderr, result.stderr
+    # A name without enabled is fine (it is simply not used).
+    assert render(helm_bin, sets={"requestPlaneTLS.secretName": "weir-tls"})
 
 
 def test_operator_role_grants_what_the_cli_uses(helm_bin: str) -> None:

@@ -6,6 +6,7 @@ run the same way, each of its Deployments a process, and serves a chat completio
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -22,6 +23,12 @@ import httpx
 import pytest
 import yaml
 
+from orchestrator.runtime.errors import EngineError
+from orchestrator.runtime.protocol import KvSnapshot
+from orchestrator.runtime.request_plane import PlaneSecurity, RequestPlaneClient
+from orchestrator.runtime.request_plane.security import client_tls_context
+from orchestrator.runtime.request_plane.worker_client import TcpWorkerClient
+from tests.certs import make_certs
 from tests.cli.procs import weir_process
 from tests.cluster import Cluster, metric
 from tests.k8s.helm import CHART, Manifest, find, one, render
@@ -167,7 +174,30 @@ def _local_path(value: str, mounts: dict[str, Path]) -> str:
     return value
 
 
-def _local_pod(manifests: list[Manifest], dep: Manifest, planes: dict[str, str], scratch: Path) -> LocalPod:
+def _fill_secret_volume(
+    local: Path, volume: Manifest, manifests: list[Manifest], secrets: dict[str, dict[str, bytes]]
+) -> None:
+    """A secret volume's files as the kubelet writes them: each key of the Secret (one the chart
+    rendered, or the test's stand-in for an existing one), or only its `items`."""
+    name = volume["secret"]["secretName"]
+    rendered = find(manifests, "Secret", name)
+    if rendered:
+        data = {key: base64.b64decode(value) for key, value in rendered[0]["data"].items()}
+    elif name in secrets:
+        data = secrets[name]
+    else:  # the processes would start without its files, so say so
+        pytest.fail(f"no local stand-in for the Secret {name}")
+    for item in volume["secret"].get("items") or [{"key": key, "path": key} for key in data]:
+        (local / item["path"]).write_bytes(data[item["key"]])
+
+
+def _local_pod(
+    manifests: list[Manifest],
+    dep: Manifest,
+    planes: dict[str, str],
+    scratch: Path,
+    secrets: dict[str, dict[str, bytes]],
+) -> LocalPod:
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     assert "command" not in container, "the chart runs the image's entrypoint, `weir`"
     name = dep["metadata"]["name"]
@@ -181,8 +211,12 @@ def _local_pod(manifests: list[Manifest], dep: Manifest, planes: dict[str, str],
         m["mountPath"]: LOCAL_CACHE if m["name"] == "cache" else scratch / name / m["name"]
         for m in container.get("volumeMounts", [])
     }
-    for local in mounts.values():
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"].get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        local = mounts[mount["mountPath"]]
         local.mkdir(parents=True, exist_ok=True)
+        if "secret" in volumes[mount["name"]]:
+            _fill_secret_volume(local, volumes[mount["name"]], manifests, secrets)
     env = container_env(manifests, container, pod_ip="127.0.0.1")
     assert planes.keys() <= env.keys(), "the chart passes etcd and NATS as WEIR_ETCD / WEIR_NATS"
     return LocalPod(
@@ -207,19 +241,44 @@ def _service_address(address: str, manifests: list[Manifest], pods: list[LocalPo
     return f"127.0.0.1:{behind.ports[target]}"
 
 
-def local_pods(manifests: list[Manifest], etcd_url: str, nats_url: str, scratch: Path) -> list[LocalPod]:
+def local_pods(
+    manifests: list[Manifest],
+    etcd_url: str,
+    nats_url: str,
+    scratch: Path,
+    secrets: dict[str, dict[str, bytes]] | None = None,
+) -> list[LocalPod]:
     """Every rendered Deployment's container as it runs here: args, env (ConfigMap, values, pod
     IP 127.0.0.1) and probes as rendered, except what cannot be the same on one machine: etcd
     and NATS are the test's, each listening port is a free one, a Service address is the local
-    port of the pod behind it, volume mounts are local directories."""
+    port of the pod behind it, volume mounts are local directories (a secret volume's holding
+    its Secret's files: a rendered Secret's, or `secrets[name]` for one that must exist)."""
     planes = {"WEIR_ETCD": etcd_url, "WEIR_NATS": nats_url}
-    pods = [_local_pod(manifests, dep, planes, scratch) for dep in find(manifests, "Deployment")]
+    pods = [
+        _local_pod(manifests, dep, planes, scratch, secrets or {}) for dep in find(manifests, "Deployment")
+    ]
     for pod in pods:  # now that every pod has its local ports
         pod.args = _map_values(
             pod.args,
             lambda flag, v: _service_address(v, manifests, pods) if flag == "--router-address" else v,
         )
     return pods
+
+
+def _start(stack: ExitStack, pods: list[LocalPod], logs: Path, workers: int) -> Cluster:
+    """Each pod a process (stopped when `stack` closes), all ready, the frontend seeing `workers`."""
+    procs: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
+    for pod in pods:
+        log = logs / f"{pod.deployment}.log"
+        procs[pod.deployment] = (stack.enter_context(weir_process(*pod.args, log=log, env=pod.env)), log)
+    for pod in pods:
+        proc, log = procs[pod.deployment]
+        probe = pod.url(pod.readiness["port"]) + pod.readiness["path"]
+        wait_http_ok(probe, 120, proc=proc, log=log, interval=0.1)
+    (frontend,) = [pod for pod in pods if pod.component == "frontend"]
+    cluster = Cluster(frontend.url("http"), {})
+    wait_until(lambda: cluster.known_workers() == workers, f"the frontend to see {workers} workers", 60)
+    return cluster
 
 
 @pytest.mark.parametrize(
@@ -247,20 +306,7 @@ def test_cpu_example_runs_and_serves_a_chat(
         ["frontend", *["worker"] * len(pools), *(["router"] * with_router)]
     )
     with ExitStack() as stack:
-        procs: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
-        for pod in pods:
-            log = tmp_path / f"{pod.deployment}.log"
-            procs[pod.deployment] = (stack.enter_context(weir_process(*pod.args, log=log, env=pod.env)), log)
-        for pod in pods:
-            proc, log = procs[pod.deployment]
-            probe = pod.url(pod.readiness["port"]) + pod.readiness["path"]
-            wait_http_ok(probe, 120, proc=proc, log=log, interval=0.1)
-        (frontend,) = [pod for pod in pods if pod.component == "frontend"]
-        cluster = Cluster(frontend.url("http"), {})
-        wait_until(
-            lambda: cluster.known_workers() == len(pools), f"the frontend to see {len(pools)} workers", 60
-        )
-
+        cluster = _start(stack, pods, tmp_path, workers=len(pools))
         reply = cluster.client.chat.completions.create(
             model=model,
             messages=[{"role": "user", "content": "Hello!"}],
@@ -273,3 +319,67 @@ def test_cpu_example_runs_and_serves_a_chat(
             if pod.component == "router":
                 text = httpx.get(pod.url("metrics") + "/metrics", timeout=5).text
                 assert metric(text, "weir_router_decisions_total", f'model="{model}",mode="kv"') == 1
+
+
+def _kv_snapshot(address: str, security: PlaneSecurity) -> KvSnapshot:
+    async def call() -> KvSnapshot:
+        client = RequestPlaneClient(connect_timeout=2.0, security=security)
+        try:
+            return await TcpWorkerClient(client, address).kv_snapshot()
+        finally:
+            await client.close()
+
+    return asyncio.run(call())
+
+
+def test_cpu_example_serves_over_request_plane_tls(
+    helm_bin: str, etcd_url: str, nats_url: str, tmp_path: Path
+) -> None:
+    """requestPlaneTLS with a kubernetes.io/tls Secret (tls.crt, tls.key, ca.crt; made here) in
+    the mounts as rendered: the workers and the router serve TLS, the frontend asks the router
+    and streams a chat from a worker over it, and a plaintext caller is refused at a worker's
+    port that a caller trusting ca.crt is answered on."""
+    example = CPU_EXAMPLES[0]
+    pools = yaml.safe_load(example.read_text())["pools"]
+    (model,) = {pool["model"] for pool in pools}
+    certs = make_certs(tmp_path)
+    secret = {
+        "tls.crt": certs.cert.read_bytes(),
+        "tls.key": certs.key.read_bytes(),
+        "ca.crt": certs.ca.read_bytes(),
+    }
+    sets = {
+        "router.enabled": "true",
+        "requestPlaneTLS.enabled": "true",
+        "requestPlaneTLS.secretName": "weir-tls",
+    }
+    release = f"tls{time.monotonic_ns() % 10**9}"
+    manifests = render(helm_bin, example, sets=sets, release=release)
+    pods = local_pods(manifests, etcd_url, nats_url, tmp_path, secrets={"weir-tls": secret})
+    for pod in pods:  # each process reads the certificates where its mount stands in
+        assert [a for a in pod.args if a.startswith("--tls-")], pod.deployment
+    with ExitStack() as stack:
+        cluster = _start(stack, pods, tmp_path, workers=len(pools))
+        stream = cluster.client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Hello!"}],
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        chunks = list(stream)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        usage = chunks[-1].usage
+        assert usage is not None and usage.completion_tokens == 8
+        (router,) = [pod for pod in pods if pod.component == "router"]
+        text = httpx.get(router.url("metrics") + "/metrics", timeout=5).text
+        # The router decided, so the frontend reached it over TLS (unreachable, it decides itself).
+        assert metric(text, "weir_router_decisions_total", f'model="{model}",mode="kv"') == 1
+
+        for worker in (pod for pod in pods if pod.component == "worker"):
+            address = f"127.0.0.1:{worker.ports['requests']}"
+            trusting = PlaneSecurity(client_tls=client_tls_context(str(certs.ca)))
+            assert _kv_snapshot(address, trusting) is not None
+            with pytest.raises(EngineError):
+                _kv_snapshot(address, PlaneSecurity())

@@ -119,3 +119,43 @@ under `helm template`, which therefore shows `replicas`. Args: (dict "root" $ "p
 {{- end }}
 {{- end }}
 {{- end -}}
+
+{{/* Request-plane TLS (requestPlaneTLS): the flags that read the Secret, its mount and its
+volume, each as a list indented by `indent` (nothing when disabled). Servers (workers, router)
+get tls.crt and tls.key; whoever dials (frontend, router) gets ca.crt, and a pod that only
+dials is given ca.crt alone. Args: (dict "root" $ "serving" bool "dials" bool "indent" int) */}}
+{{- define "weir.tlsDir" -}}
+/etc/weir/request-plane-tls
+{{- end -}}
+
+{{- define "weir.tlsArgs" -}}
+{{- if .root.Values.requestPlaneTLS.enabled -}}
+{{- $dir := include "weir.tlsDir" . -}}
+{{- $args := list -}}
+{{- if .serving -}}
+{{- $args = concat $args (list (printf "--tls-cert=%s/tls.crt" $dir) (printf "--tls-key=%s/tls.key" $dir)) -}}
+{{- end -}}
+{{- if .dials -}}
+{{- $args = append $args (printf "--tls-ca=%s/ca.crt" $dir) -}}
+{{- end -}}
+{{- toYaml $args | nindent .indent -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "weir.tlsMount" -}}
+{{- if .root.Values.requestPlaneTLS.enabled -}}
+{{- printf "- {name: request-plane-tls, mountPath: %s, readOnly: true}" (include "weir.tlsDir" .) | nindent .indent -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "weir.tlsVolume" -}}
+{{- with .root.Values.requestPlaneTLS -}}
+{{- if .enabled -}}
+{{- $secret := dict "secretName" (required "requestPlaneTLS.secretName is required when requestPlaneTLS.enabled is true" .secretName) -}}
+{{- if not $.serving -}}
+{{- $_ := set $secret "items" (list (dict "key" "ca.crt" "path" "ca.crt")) -}}
+{{- end -}}
+{{- toYaml (list (dict "name" "request-plane-tls" "secret" $secret)) | nindent $.indent -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}

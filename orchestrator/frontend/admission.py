@@ -7,7 +7,9 @@ once the queue is full or it has waited `max_queue_wait_s`. Busy follows NVIDIA 
 thresholds: KV blocks in use over `active_decode_blocks_threshold` (the router's view, which
 counts its own in-flight requests at once) or prompt tokens queued for prefill over
 `active_prefill_tokens_threshold` (the worker's last load report). With both unset nothing
-is ever busy and admission costs one attribute test.
+is ever busy and admission costs one attribute test. A worker whose circuit breaker is open
+(router/table.py: its connection was refused, and its back-off has not ended) is no room
+either: a request admitted onto it would only fail over.
 
 One admission at a time is handed out: the next is considered once the admitted request has
 been routed (its blocks then count in the router's load), so one finished request does not
@@ -22,15 +24,15 @@ from collections import deque
 from orchestrator.frontend.config import FrontendConfig
 from orchestrator.frontend.errors import RateLimited
 from orchestrator.frontend.metrics import ModelMetrics
-from router.router import Router
+from router.table import ModelRoutes
 
 # Seconds a turned-away client is told to wait: queues drain at the pace requests finish.
 RETRY_AFTER_S = 1
 
 
 class Admission:
-    def __init__(self, config: FrontendConfig, router: Router, metrics: ModelMetrics) -> None:
-        self.router = router
+    def __init__(self, config: FrontendConfig, routes: ModelRoutes, metrics: ModelMetrics) -> None:
+        self.routes = routes
         self.decode_threshold = config.active_decode_blocks_threshold
         self.prefill_threshold = config.active_prefill_tokens_threshold
         self.enabled = self.decode_threshold is not None or self.prefill_threshold is not None
@@ -41,22 +43,34 @@ class Admission:
         # A waiter was admitted and has not yet run on to routing.
         self._handing_over = False
         if self.enabled:
-            router.on_load = self.wake
+            routes.router.on_load = self.wake
 
     def has_room(self) -> bool:
-        """Some routable worker is below both thresholds, or no worker is routable (then the
-        router answers 503 at once instead of letting the request wait for nothing)."""
-        routable = False
-        for load in self.router.workers.values():
+        """Some routable worker with a closed breaker is below both thresholds, or no such
+        worker is left. With none routable at all the router answers 503 at once instead of
+        letting the request wait for nothing. With every routable worker tripped the router
+        does not refuse either: it places the request on the tripped worker whose back-off ends
+        first (the probe, `ModelRoutes.select`), failing over from there. Holding the request
+        back would help no one (a tripped worker sends no load reports to wake the queue), so
+        it is admitted and that probe decides, as it would without admission control. Only
+        when some untripped worker exists do tripped ones count as no room: the request waits
+        for a healthy worker instead of being routed to a dead one and failing over."""
+        trips = self.routes.trips
+        now = self.routes.clock() if trips else 0.0
+        healthy = False
+        for worker_id, load in self.routes.router.workers.items():
             if load.draining:
                 continue
-            routable = True
+            trip = trips.get(worker_id) if trips else None
+            if trip is not None and now < trip.retry_at:
+                continue  # breaker open: not due for a probe yet
+            healthy = True
             if self.decode_threshold is not None and load.kv_usage >= self.decode_threshold:
                 continue
             if self.prefill_threshold is not None and load.queued_prefill_tokens >= self.prefill_threshold:
                 continue
             return True
-        return not routable
+        return not healthy
 
     async def admit(self) -> None:
         """Return once the request may be dispatched; raise RateLimited if it may not. Every

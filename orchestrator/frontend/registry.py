@@ -75,7 +75,7 @@ class ModelRegistry(RoutingTable[ModelEntry]):
         preprocessor, max_chars = await self._preprocessor(card, client)
         routes = await build_router(self.config, card, self.events, self.metrics.router)
         metrics = self.metrics.for_model(card.name)
-        admission = Admission(self.config, routes.router, metrics)
+        admission = Admission(self.config, routes, metrics)
         return ModelEntry(card.name, card, routes, metrics, admission, preprocessor, max_chars)
 
     def _routes(self, model: ModelEntry) -> ModelRoutes:

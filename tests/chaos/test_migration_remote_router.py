@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from backends.registry import DEFAULT_MODEL
-from tests.chaos.test_worker_death import complete
+from tests.chaos.test_worker_death import Result, complete, migrations_counted, outcomes
 from tests.cli.procs import wait_healthy, weir_process
 from tests.cluster import LEASE_TTL, Cluster, metric, planes, start_frontend, start_workers
 from tests.servers import free_port
@@ -32,7 +32,6 @@ WORKERS = ("worker-a", "worker-b")
 REQUESTS = 24
 CONCURRENCY = 8
 TOKENS = 200
-Result = tuple[str, int, str | None] | BaseException
 
 
 def run_all(client: openai.OpenAI, done: list[int] | None = None) -> dict[int, Result]:
@@ -119,14 +118,9 @@ def test_a_worker_killed_mid_stream_behind_the_remote_router_loses_no_request(
         thread.join()
         assert killed_at, "the worker was never killed"
 
-        failures = {i: r for i, r in results.items() if not isinstance(r, tuple)}
-        short = [i for i, r in results.items() if isinstance(r, tuple) and r[1:] != (TOKENS, "length")]
-        different = [i for i, r in results.items() if isinstance(r, tuple) and r[0] != reference[i][0]]  # type: ignore[index]
+        failures, short, different = outcomes(results, reference, TOKENS)
         wait_until(lambda: c.known_workers() == 1, "the killed worker's lease to expire", 30)
-        migrations = sum(
-            c.frontend_metric("weir_frontend_migrations_total", f'{labels},reason="{reason}"')
-            for reason in ("unavailable", "overloaded")
-        )
+        migrations = migrations_counted(c)
         decisions = router_metric("weir_router_decisions_total", f'{labels},mode="kv"') - decisions_before
         print(
             json.dumps(

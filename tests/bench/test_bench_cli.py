@@ -153,6 +153,24 @@ def test_open_loop_rate_sweep(served: Served, tmp_path: Path) -> None:
     assert (tmp_path / "goodput.png").read_bytes().startswith(PNG)
 
 
+def test_repeats_report_medians_and_ranges_and_options_reach_the_body(served: Served, tmp_path: Path) -> None:
+    # --extra-body reaches every request: max_tokens 3 overrides --output-tokens 8.
+    # --no-ignore-eos: the mocker may then end early, but never past max_tokens.
+    code, stdout, line = bench(
+        "--url", served.url, "--num-requests", "6", "--input-tokens", "16", "--output-tokens", "8",
+        "--repeats", "3", "--no-ignore-eos", "--extra-body", '{"max_tokens": 3}', "--output", str(tmp_path),
+    )  # fmt: skip
+    assert code == 0, stdout
+    point = json.loads((tmp_path / "result.json").read_text())["points"][0]
+    assert point["repeats"] == 3 and point["completed"] == 6, point
+    low, high = point["ranges"]["ttft_p50_ms"]
+    assert low <= point["ttft_p50_ms"] <= high, point
+    requests = rows(tmp_path / "requests.csv")
+    assert sorted({r["repeat"] for r in requests}) == ["0", "1", "2"] and len(requests) == 18
+    assert all(1 <= int(r["output_tokens"]) <= 3 for r in requests), requests
+    assert line["points"][0]["completed"] == 6  # type: ignore[index]
+
+
 def test_failures_are_counted_by_type_and_fail_the_command(served: Served) -> None:
     code, _, line = bench("--url", served.url, "--model", "no-such-model", "--num-requests", "3")
     assert code == 1  # no request of the load completed: a broken setup, not a figure

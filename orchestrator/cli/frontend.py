@@ -84,6 +84,14 @@ def add_frontend_arguments(parser: argparse.ArgumentParser, default_port: int = 
         f"(default {_DEFAULTS.stream_stall_timeout_s:g})",
     )
     http.add_argument(
+        "--stream-backlog-bytes",
+        type=int,
+        default=_DEFAULTS.stream_backlog_bytes,
+        metavar="BYTES",
+        help="cancel a stream whose client has fallen this many bytes of tokens behind its worker "
+        f"(default {_DEFAULTS.stream_backlog_bytes})",
+    )
+    http.add_argument(
         "--max-stop-strings",
         type=int,
         default=_DEFAULTS.max_stop_strings,
@@ -173,6 +181,7 @@ def frontend_config(
             read_timeout_s=args.read_timeout,
             max_connections=args.max_connections,
             stream_stall_timeout_s=args.stream_stall_timeout,
+            stream_backlog_bytes=args.stream_backlog_bytes,
             max_stop_strings=args.max_stop_strings,
             log_level=args.log_level,
             api_key=args.api_key,

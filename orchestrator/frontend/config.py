@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.runtime.request_plane import PlaneSecurity
+from orchestrator.runtime.request_plane.client import DEFAULT_MAX_BACKLOG_BYTES
 
 ROUTER_MODES = ("kv", "round-robin", "random", "least-loaded", "remote")
 # What places requests in `remote` mode while the standalone router cannot be reached.
@@ -35,6 +36,9 @@ class FrontendConfig:
     # A stream whose client reads nothing for this long (its socket buffer full) is cancelled,
     # and its worker requests with it, rather than generating into buffers nobody drains.
     stream_stall_timeout_s: float = 30.0
+    # ...and one that falls this far behind its worker's stream sooner: a stalled reader holds
+    # at most this many bytes of undelivered tokens (request_plane/client.py).
+    stream_backlog_bytes: int = DEFAULT_MAX_BACKLOG_BYTES
     # OpenAI allows 4; agent frameworks send a handful more. Each is searched in every delta.
     max_stop_strings: int = 16
     # Request migration (dispatch.py): how many times one request may move to another worker
@@ -76,7 +80,13 @@ class FrontendConfig:
             raise ValueError("request_timeout_s must be positive")
         if self.max_body_bytes <= 0:
             raise ValueError("max_body_bytes must be positive")
-        for name in ("read_timeout_s", "stream_stall_timeout_s", "max_connections", "max_stop_strings"):
+        for name in (
+            "read_timeout_s",
+            "stream_stall_timeout_s",
+            "stream_backlog_bytes",
+            "max_connections",
+            "max_stop_strings",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.migration_limit < 0:

@@ -36,6 +36,8 @@ async def build_router(
         await routes.subscribe(events, config.namespace)
     if remote:
         assert config.router_address is not None  # FrontendConfig checks it
-        routes.plane = RequestPlaneClient(connect_timeout=1.0, security=config.request_plane)
+        routes.plane = RequestPlaneClient(
+            connect_timeout=1.0, security=config.request_plane, max_backlog_bytes=config.stream_backlog_bytes
+        )
         routes.remote = RemoteRouter(routes.plane, config.router_address, card.name, router)
     return routes

@@ -43,7 +43,7 @@ def create_app(
     local_workers: Mapping[str, WorkerClient] | None = None,
 ) -> FastAPI:
     """The app with its own request-plane client (closed with the app)."""
-    plane = RequestPlaneClient(security=config.request_plane)
+    plane = RequestPlaneClient(security=config.request_plane, max_backlog_bytes=config.stream_backlog_bytes)
     app = build_app(config, discovery, make_client_factory(plane, local_workers), events)
     app.state.frontend.on_close.append(plane.close)
     return app

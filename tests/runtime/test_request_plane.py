@@ -117,6 +117,26 @@ async def test_breaking_out_of_the_loop_cancels_the_server_handler(server: Reque
     await client.close()
 
 
+async def test_a_caller_that_falls_behind_is_cancelled_after_a_bounded_backlog(
+    server: RequestPlaneServer,
+) -> None:
+    # A consumer that stops reading (a slow HTTP client upstream) while the worker keeps
+    # generating: the backlog stops at the bound, the worker's handler is cancelled, and the
+    # caller gets what was buffered, then a non-retryable `cancelled`.
+    client = RequestPlaneClient(max_backlog_bytes=400)
+    stream = client.stream(address(server), "forever", b"")
+    assert await stream.__anext__() == b"tick"
+    await asyncio.wait_for(server.forever.cleaned_up.wait(), 5.0)  # type: ignore[attr-defined]
+    buffered: list[bytes] = []
+    with pytest.raises(EngineError) as failed:
+        async for payload in stream:
+            buffered.append(payload)
+    assert 0 < sum(map(len, buffered)) <= 400 and set(buffered) == {b"tick"}
+    assert failed.value.code == "cancelled" and not failed.value.retryable
+    assert "behind" in failed.value.message
+    await client.close()
+
+
 async def test_cancelling_the_consumer_task_cancels_the_server_handler(server: RequestPlaneServer) -> None:
     client = RequestPlaneClient()
 

@@ -5,6 +5,12 @@ early (`aclose()`, or dropping it unfinished, or cancelling the task awaiting it
 `Cancel` frame, so the worker stops generating. A lost connection fails every stream open on
 it with `EngineError('unavailable', retryable=True)`; the next call reconnects.
 
+A stream's caller that falls behind (a slow HTTP reader upstream) leaves payloads waiting
+here; past `max_backlog_bytes` the call is cancelled at the worker and the stream ends, after
+what was already buffered, with `EngineError('cancelled')` (not retryable: another worker
+would meet the same reader). So a stalled reader costs a bounded number of bytes, not one
+payload per generated token.
+
 With a cluster secret (`PlaneSecurity`), a connection carries no call until the server has
 proved it holds the secret too (security.py); a failed or timed-out handshake is `unavailable`.
 """
@@ -32,9 +38,10 @@ from orchestrator.runtime.request_plane.security import (
 
 
 class _ClientConnection(FrameProtocol):
-    def __init__(self, address: str, secret: bytes | None) -> None:
+    def __init__(self, address: str, secret: bytes | None, max_backlog_bytes: int) -> None:
         super().__init__(MAX_ANSWER_BYTES)
         self.address = address
+        self.max_backlog_bytes = max_backlog_bytes
         self.streams: dict[int, _Inbox] = {}
         self._next_id = 0
         self._secret = secret
@@ -79,8 +86,15 @@ class _ClientConnection(FrameProtocol):
         # Frames for a stream the caller already cancelled are dropped.
         if type(frame) is Data:
             stream = self.streams.get(frame.stream_id)
-            if stream is not None:
-                stream.push(frame.payload)
+            if stream is not None and not stream.push(frame.payload, self.max_backlog_bytes):
+                del self.streams[frame.stream_id]
+                self.send(Cancel(frame.stream_id))
+                stream.finish(
+                    EngineError(
+                        "cancelled",
+                        f"the caller fell more than {self.max_backlog_bytes} bytes behind the stream",
+                    )
+                )
         elif type(frame) is End:
             stream = self.streams.pop(frame.stream_id, None)
             if stream is not None:
@@ -107,18 +121,29 @@ class _Inbox:
     """What has arrived for one stream. The connection holds inboxes, never the caller's
     `ResponseStream`, so a stream the caller drops is collected and can cancel itself."""
 
-    __slots__ = ("done", "error", "items", "waiter")
+    __slots__ = ("backlog", "done", "error", "items", "waiter")
 
     def __init__(self) -> None:
         self.items: deque[bytes] = deque()
+        self.backlog = 0  # bytes in `items`
         self.waiter: asyncio.Future[None] | None = None
         self.done = False
         self.error: EngineError | None = None
 
-    def push(self, payload: bytes) -> None:
+    def push(self, payload: bytes, max_backlog: int) -> bool:
+        """Queues `payload`; False (payload dropped) when the backlog would pass `max_backlog`."""
+        if self.backlog + len(payload) > max_backlog and self.items:
+            return False
         self.items.append(payload)
+        self.backlog += len(payload)
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
+        return True
+
+    def pop(self) -> bytes:
+        payload = self.items.popleft()
+        self.backlog -= len(payload)
+        return payload
 
     def finish(self, error: EngineError | None) -> None:
         self.done = True
@@ -157,7 +182,7 @@ class ResponseStream:
             except asyncio.CancelledError:
                 self._cancel()
                 raise
-        return inbox.items.popleft()
+        return inbox.pop()
 
     def drain_ready(self) -> list[bytes]:
         """The payloads that have already arrived, without waiting (none before the first
@@ -167,6 +192,7 @@ class ResponseStream:
             return []
         ready = list(items)
         items.clear()
+        self._inbox.backlog = 0
         return ready
 
     async def aclose(self) -> None:
@@ -200,10 +226,19 @@ class ResponseStream:
                 self._conn.cancel_stream(self._stream_id)
 
 
+DEFAULT_MAX_BACKLOG_BYTES = 1 << 20
+
+
 class RequestPlaneClient:
-    def __init__(self, connect_timeout: float = 5.0, security: PlaneSecurity | None = None) -> None:
+    def __init__(
+        self,
+        connect_timeout: float = 5.0,
+        security: PlaneSecurity | None = None,
+        max_backlog_bytes: int = DEFAULT_MAX_BACKLOG_BYTES,
+    ) -> None:
         self.connect_timeout = connect_timeout
         self.security = security or PlaneSecurity()
+        self.max_backlog_bytes = max_backlog_bytes
         self._conns: dict[str, _ClientConnection] = {}
         self._connecting: dict[str, asyncio.Future[_ClientConnection]] = {}
 
@@ -225,7 +260,7 @@ class RequestPlaneClient:
 
     async def _connect(self, address: str) -> _ClientConnection:
         host, _, port = address.rpartition(":")
-        factory = partial(_ClientConnection, address, self.security.secret)
+        factory = partial(_ClientConnection, address, self.security.secret, self.max_backlog_bytes)
         tls = self.security.client_tls
         try:
             async with asyncio.timeout(self.connect_timeout):

@@ -76,6 +76,7 @@ class LoadTracker:
         load.waiting_requests = report.waiting_requests
         load.active_blocks = report.active_blocks
         load.queued_prefill_tokens = report.queued_prefill_tokens
+        load.routed_prefill_tokens = 0
         load.total_blocks = report.total_blocks or load.total_blocks
         load.refresh()
         if report.draining:
@@ -93,7 +94,7 @@ class LoadTracker:
 
     # ------------------------------------------------------------------ own requests
 
-    def on_routed(self, worker_id: str, request: RouteRequest) -> InflightUpdate:
+    def on_routed(self, worker_id: str, request: RouteRequest, cached_blocks: int = 0) -> InflightUpdate:
         if request.request_id in self._requests:  # a retried id: release the first placement
             self.on_finish(self._requests[request.request_id].worker_id, request.request_id)
         hashes = request.block_hashes
@@ -107,6 +108,7 @@ class LoadTracker:
         new = len(held) - before  # blocks no other in-flight request on this worker holds
         load.inflight_requests += 1
         load.inflight_blocks += new + tail
+        load.routed_prefill_tokens += max(request.num_tokens - cached_blocks * self.block_size, 0)
         load.refresh()
         return InflightUpdate(
             router_id=self.router_id, worker_id=worker_id, request_id=request.request_id, blocks=new + tail

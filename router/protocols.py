@@ -37,6 +37,9 @@ class WorkerLoad:
     active_blocks: int = 0
     total_blocks: int = 0
     queued_prefill_tokens: int = 0  # from the last report: prompt tokens waiting for prefill
+    # Uncached prompt tokens this router sent the worker since that report, which it cannot
+    # count yet: without them a burst inside one report interval looks like no prefill at all.
+    routed_prefill_tokens: int = 0
     draining: bool = False
     inflight_requests: int = 0
     inflight_blocks: int = 0
@@ -46,8 +49,10 @@ class WorkerLoad:
     requests: int = 0
     blocks: int = 0
     kv_usage: float = 0.0  # blocks / total_blocks; 0 while the capacity is unknown
+    prefill_tokens: int = 0  # queued + routed prefill tokens
 
     def refresh(self) -> None:
+        self.prefill_tokens = self.queued_prefill_tokens + self.routed_prefill_tokens
         self.requests = max(self.inflight_requests, self.active_requests + self.waiting_requests)
         self.blocks = max(self.inflight_blocks, self.active_blocks)
         self.kv_usage = self.blocks / self.total_blocks if self.total_blocks else 0.0

@@ -158,7 +158,7 @@ class Router:
             joining = self.index.joining
             candidates = {w: load for w, load in candidates.items() if w not in joining} or candidates
         decision = self.policy.select(request, candidates)
-        update = self.loads.on_routed(decision.worker_id, request)
+        update = self.loads.on_routed(decision.worker_id, request, decision.overlap_blocks)
         if self.on_inflight is not None:
             self.on_inflight(update)
         self._decisions.inc()

@@ -6,10 +6,12 @@ finishes or a load report shows a worker with room, or turned away with 429 and 
 once the queue is full or it has waited `max_queue_wait_s`. Busy follows NVIDIA Dynamo's
 thresholds: KV blocks in use over `active_decode_blocks_threshold` (the router's view, which
 counts its own in-flight requests at once) or prompt tokens queued for prefill over
-`active_prefill_tokens_threshold` (the worker's last load report). With both unset nothing
+`active_prefill_tokens_threshold` (the worker's last load report plus the uncached prompt
+tokens routed to it since). With both unset nothing
 is ever busy and admission costs one attribute test. A worker whose circuit breaker is open
 (router/table.py: its connection was refused, and its back-off has not ended) is no room
-either: a request admitted onto it would only fail over.
+either: a request admitted onto it would only fail over. A tripped worker sends no load
+report when its back-off ends, so while requests wait the queue also wakes itself then.
 
 One admission at a time is handed out: the next is considered once the admitted request has
 been routed (its blocks then count in the router's load), so one finished request does not
@@ -42,6 +44,8 @@ class Admission:
         self._queue: deque[asyncio.Future[None]] = deque()
         # A waiter was admitted and has not yet run on to routing.
         self._handing_over = False
+        # The wake-up due when the next open breaker's back-off ends, while requests wait.
+        self._breaker_wake: asyncio.TimerHandle | None = None
         if self.enabled:
             routes.router.on_load = self.wake
 
@@ -67,7 +71,7 @@ class Admission:
             healthy = True
             if self.decode_threshold is not None and load.kv_usage >= self.decode_threshold:
                 continue
-            if self.prefill_threshold is not None and load.queued_prefill_tokens >= self.prefill_threshold:
+            if self.prefill_threshold is not None and load.prefill_tokens >= self.prefill_threshold:
                 continue
             return True
         return not healthy
@@ -86,6 +90,7 @@ class Admission:
         waiter = asyncio.get_running_loop().create_future()
         self._queue.append(waiter)
         self.metrics.queued.inc()
+        self._wake_when_a_breaker_closes()
         try:
             async with asyncio.timeout(self.max_wait_s):
                 await waiter
@@ -119,6 +124,19 @@ class Admission:
             if not waiter.done():  # a done one was cancelled: its task is leaving anyway
                 self._handing_over = True
                 waiter.set_result(None)
+        self._wake_when_a_breaker_closes()
+
+    def _wake_when_a_breaker_closes(self) -> None:
+        if self._breaker_wake is not None or not self._queue or not self.routes.trips:
+            return
+        now = self.routes.clock()
+        due = [trip.retry_at for trip in self.routes.trips.values() if trip.retry_at > now]
+        if due:
+            self._breaker_wake = asyncio.get_running_loop().call_later(min(due) - now, self._breaker_woke)
+
+    def _breaker_woke(self) -> None:
+        self._breaker_wake = None
+        self.wake()
 
     def _handed_over(self) -> None:
         self._handing_over = False

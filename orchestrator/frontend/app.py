@@ -140,7 +140,8 @@ def build_app(
     the client for each discovered worker (see server.make_client_factory)."""
     metrics = Metrics()
     registry = ModelRegistry(config, client_factory, events, metrics)
-    state = FrontendState(config, metrics, registry, Serving(config, registry, metrics))
+    serving = Serving(config, registry, metrics)
+    state = FrontendState(config, metrics, registry, serving, on_close=[serving.bodies.close])
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -97,6 +97,7 @@ async def completion_prompts(
     else:
         batch = prompt
     for ids in batch:
-        if any(not 0 <= t < pre.vocab_size for t in ids):
+        # min and max run in C: a prompt of a million ids costs milliseconds, not a Python loop.
+        if ids and (min(ids) < 0 or max(ids) >= pre.vocab_size):
             raise InvalidRequest(f"prompt token ids must be in [0, {pre.vocab_size})", param="prompt")
     return batch

@@ -25,6 +25,8 @@ MAX_REPORTED_UNKNOWN = 256
 MAX_REPORTED_NAME = 64
 # n x prompts; each choice is a worker request.
 MAX_CHOICES = 256
+# Biases applied at every sampling step: far more than any use needs (a few dozen words).
+MAX_LOGIT_BIAS = 1024
 # Far past any chat a context holds; bounds what one request makes the validator walk.
 MAX_MESSAGES = 16_384
 # Names listed in one request's log line; the rest of that request's new names are counted.
@@ -133,6 +135,13 @@ class GenerationRequest(_Lenient):
         stops = [v] if isinstance(v, str) else v or []
         if any(s == "" for s in stops):
             raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _few_enough_biases(cls, v: Any) -> Any:
+        if isinstance(v, dict) and len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries per request")
         return v
 
     @field_validator("logit_bias")

@@ -11,6 +11,7 @@ import uuid
 
 from orchestrator.frontend import pipeline, prompts
 from orchestrator.frontend.asgi import DONE_EVENT, SSE_HEADERS, Exchange
+from orchestrator.frontend.bodies import BodyParser
 from orchestrator.frontend.config import FrontendConfig
 from orchestrator.frontend.errors import InvalidRequest
 from orchestrator.frontend.formatters import ChatFormatter, ChoiceResult, CompletionFormatter, Formatter
@@ -36,9 +37,10 @@ class Serving:
         self.config = config
         self.registry = registry
         self.metrics = metrics
+        self.bodies = BodyParser()
 
     async def chat(self, body: bytes, ex: Exchange) -> None:
-        req = ChatCompletionRequest.model_validate_json(body)
+        req = await self.bodies.parse(ChatCompletionRequest, body)
         check_limits(req, 1, self.config.max_stop_strings)
         entry = self.registry.get(req.model)
         pre = entry.require_preprocessor()
@@ -64,7 +66,7 @@ class Serving:
         await self._respond(job, fmt, req.stream, include_usage, ex)
 
     async def completions(self, body: bytes, ex: Exchange) -> None:
-        req = CompletionRequest.model_validate_json(body)
+        req = await self.bodies.parse(CompletionRequest, body)
         check_limits(req, prompts.prompt_count(req.prompt), self.config.max_stop_strings)
         entry = self.registry.get(req.model)
         pre = entry.require_preprocessor()

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.certs import Certs
 from tests.waiting import port_open, wait_until
 
 
@@ -51,25 +52,34 @@ def _process(args: list[str], port: int, log: Path) -> Iterator[subprocess.Popen
 
 
 @contextmanager
-def etcd_server(workdir: Path) -> Iterator[str]:
-    """Yields the client URL, http://127.0.0.1:PORT."""
+def etcd_server(workdir: Path, tls: Certs | None = None) -> Iterator[str]:
+    """Yields the client URL, http://127.0.0.1:PORT; with `tls`, https://, serving `tls.cert`
+    and requiring a client certificate signed by `tls.ca` (--client-cert-auth)."""
     binary = find_binary("etcd", "/usr/bin/etcd")
     if binary is None:
         raise RuntimeError("etcd not found: install Debian's etcd-server")
     client, peer = free_port(), free_port()
+    scheme = "https" if tls else "http"
     args = [
         binary,
         "--name=default",
         f"--data-dir={workdir / 'etcd'}",
-        f"--listen-client-urls=http://127.0.0.1:{client}",
-        f"--advertise-client-urls=http://127.0.0.1:{client}",
+        f"--listen-client-urls={scheme}://127.0.0.1:{client}",
+        f"--advertise-client-urls={scheme}://127.0.0.1:{client}",
         f"--listen-peer-urls=http://127.0.0.1:{peer}",
         f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
         f"--initial-cluster=default=http://127.0.0.1:{peer}",
         "--log-level=error",
     ]
+    if tls:
+        args += [
+            f"--cert-file={tls.cert}",
+            f"--key-file={tls.key}",
+            "--client-cert-auth",
+            f"--trusted-ca-file={tls.ca}",
+        ]
     with _process(args, client, workdir / "etcd.log"):
-        yield f"http://127.0.0.1:{client}"
+        yield f"{scheme}://127.0.0.1:{client}"
 
 
 @contextmanager

@@ -150,14 +150,6 @@ def add_log_level(parser: argparse.ArgumentParser, default: str = "warning") -> 
     )
 
 
-def etcd_url(value: str) -> str:
-    """--etcd's type: aetcd, the asyncio etcd client, opens only plaintext gRPC channels, so an
-    https:// URL is refused here rather than failing to connect forever."""
-    if value.startswith("https://"):
-        raise argparse.ArgumentTypeError("etcd over TLS is not supported (aetcd has no TLS); use http://")
-    return value
-
-
 def add_cluster_planes(parser: argparse.ArgumentParser) -> None:
     """--namespace, --etcd, --nats: where cluster-mode processes find each other."""
     group = parser.add_argument_group("cluster planes")
@@ -171,10 +163,10 @@ def add_cluster_planes(parser: argparse.ArgumentParser) -> None:
     add_old_spelling(parser, "--namespace", "--weir-namespace")
     group.add_argument(
         "--etcd",
-        type=etcd_url,
         default="http://127.0.0.1:2379",
-        help="etcd URL for discovery; credentials as http://user:password@host:2379 "
-        "(default http://127.0.0.1:2379)",
+        help="etcd URL for discovery; credentials as http://user:password@host:2379, TLS as "
+        "https://host:2379 (CAs: gRPC's or $SSL_CERT_FILE; a client certificate from "
+        "$WEIR_ETCD_CERT_FILE and $WEIR_ETCD_KEY_FILE) (default http://127.0.0.1:2379)",
     )
     group.add_argument(
         "--nats",

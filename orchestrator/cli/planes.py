@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from kubernetes import client
 
 from orchestrator.cli.kube import EXIT_NOT_FOUND, EXIT_USAGE, OperatorError, api_errors, meta
-from orchestrator.cli.options import env_default, etcd_url
+from orchestrator.cli.options import env_default
 from orchestrator.cli.pools import COMPONENT_LABEL, NAME_LABEL, RELEASE_LABEL
 
 
@@ -31,7 +31,6 @@ def add_plane_args(parser: argparse.ArgumentParser, load: bool = True) -> None:
     group = parser.add_argument_group("discovery")
     group.add_argument(
         "--etcd",
-        type=etcd_url,
         help="etcd URL, e.g. http://127.0.0.1:2379 (default: the release's ConfigMap)",
     )
     if load:

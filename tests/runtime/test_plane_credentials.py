@@ -1,5 +1,6 @@
 """Credentials and TLS for the cluster planes, against real servers: NATS with a user and
-password and over TLS, etcd with authentication on. Passwords never reach a log line."""
+password and over TLS, etcd with authentication on and over TLS with client certificates.
+Passwords never reach a log line."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from orchestrator.cli.main import build_parser
 from orchestrator.runtime.discovery import DiscoveryUnavailable, make_discovery
+from orchestrator.runtime.discovery.etcd import EtcdDiscovery
 from orchestrator.runtime.events import make_event_plane
 from orchestrator.runtime.protocol import Instance
 from orchestrator.runtime.urls import redacted
@@ -98,11 +100,41 @@ async def test_etcd_user_and_password_in_the_url(tmp_path: Path, caplog: pytest.
     assert PASSWORD not in caplog.text
 
 
-@pytest.mark.parametrize("command", ["worker", "frontend", "router", "status"])
-def test_etcd_over_tls_is_refused_on_the_command_line(
-    command: str, capsys: pytest.CaptureFixture[str]
+async def test_etcd_over_tls_with_a_client_certificate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        build_parser(only=command).parse_args([command, "--etcd", "https://etcd:2379"])
-    assert exit_.value.code == 2
-    assert "etcd over TLS is not supported" in capsys.readouterr().err
+    certs = make_certs(tmp_path)
+    with etcd_server(tmp_path, tls=certs) as url:
+        assert url.startswith("https://")
+        monkeypatch.setenv("SSL_CERT_FILE", str(certs.ca))
+        # etcd was started with --client-cert-auth: without a certificate it accepts no call.
+        anonymous = EtcdDiscovery(url, "tls", timeout=2.0)
+        try:
+            with pytest.raises(DiscoveryUnavailable):
+                await anonymous.list("worker")
+        finally:
+            await anonymous.close()
+        # The test certificate has no key-usage limits, so it serves as the client's too.
+        monkeypatch.setenv("WEIR_ETCD_CERT_FILE", str(certs.cert))
+        monkeypatch.setenv("WEIR_ETCD_KEY_FILE", str(certs.key))
+        trusted = EtcdDiscovery(url, "tls", timeout=2.0)
+        try:
+            await trusted.register(Instance(instance_id="w1", component="worker"))
+            assert [i.instance_id for i in await trusted.list("worker")] == ["w1"]
+        finally:
+            await trusted.close()
+        # A server the CA bundle does not vouch for gets nothing, even with the certificate.
+        (tmp_path / "other").mkdir()
+        monkeypatch.setenv("SSL_CERT_FILE", str(make_certs(tmp_path / "other").ca))
+        untrusted = EtcdDiscovery(url, "tls", timeout=2.0)
+        try:
+            with pytest.raises(DiscoveryUnavailable):
+                await untrusted.list("worker")
+        finally:
+            await untrusted.close()
+
+
+def test_etcd_over_tls_is_accepted_on_the_command_line() -> None:
+    for command in ("worker", "frontend", "router", "status"):
+        args = build_parser(only=command).parse_args([command, "--etcd", "https://etcd:2379"])
+        assert args.etcd == "https://etcd:2379"

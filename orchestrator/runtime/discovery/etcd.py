@@ -11,6 +11,10 @@ Watches: a prefix watch lists the prefix, then watches from the listed revision 
 change falls between the two. When the watch breaks (etcd down, compaction), it retries with
 backoff and on success lists again and reports only the differences: the last known keys stay
 while etcd is away, which is what keeps workers routable during an etcd outage.
+
+TLS: an https:// URL dials etcd over TLS, verifying it against the bundle `SSL_CERT_FILE`
+names (else gRPC's roots), and presents the client certificate `WEIR_ETCD_CERT_FILE` and
+`WEIR_ETCD_KEY_FILE` name when both are set (etcd's --client-cert-auth).
 """
 
 from __future__ import annotations
@@ -19,10 +23,14 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 import aetcd
+import grpc
+from aetcd import rpc, watcher
 
 from orchestrator.runtime.discovery.base import DEFAULT_TTL, Discovery, DiscoveryUnavailable, KeyEvent
 from orchestrator.runtime.discovery.keys import namespace_root
@@ -55,18 +63,74 @@ def _unavailable_on_error() -> Iterator[None]:
         raise EtcdUnavailable(f"etcd: {exc}") from exc
 
 
+def _read(env: str) -> bytes | None:
+    path = os.environ.get(env)
+    return Path(path).read_bytes() if path else None
+
+
+class _TlsClient(aetcd.Client):
+    """aetcd's client on a TLS channel. aetcd (1.0) dials only `insecure_channel`, in
+    `connect`; this `connect` differs from it in that one call, and builds the same stubs."""
+
+    _is_connecting: bool
+
+    def __init__(self, credentials: grpc.ChannelCredentials, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self._credentials = credentials
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        if self._is_connecting:
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            target = f"{self._host}:{self._port}"
+            self.channel = rpc.secure_channel(target, self._credentials, options=self._options.items())
+            if self._username is not None and self._password is not None:
+                self.auth_stub = rpc.AuthStub(self.channel)
+                request = rpc.AuthenticateRequest(name=self._username, password=self._password)
+                reply = await self.auth_stub.Authenticate(request, timeout=self._timeout)
+                self.metadata = (("token", reply.token),)
+            self.kvstub = rpc.KVStub(self.channel)
+            self.clusterstub = rpc.ClusterStub(self.channel)
+            self.leasestub = rpc.LeaseStub(self.channel)
+            self.maintenancestub = rpc.MaintenanceStub(self.channel)
+            self._watcher = watcher.Watcher(
+                rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
+            )
+            self._connected.set()
+        finally:
+            self._is_connecting = False
+
+
+def _tls_credentials() -> grpc.ChannelCredentials:
+    cert, key = _read("WEIR_ETCD_CERT_FILE"), _read("WEIR_ETCD_KEY_FILE")
+    if (cert is None) != (key is None):
+        raise ValueError("WEIR_ETCD_CERT_FILE and WEIR_ETCD_KEY_FILE go together")
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read("SSL_CERT_FILE"), private_key=key, certificate_chain=cert
+    )
+
+
 class EtcdDiscovery(Discovery):
     def __init__(self, url: str, namespace: str, ttl: float = DEFAULT_TTL, timeout: float = 5.0) -> None:
         super().__init__(namespace, ttl)
         parsed = urlparse(url if "://" in url else f"http://{url}")
-        self._client = aetcd.Client(
-            host=parsed.hostname or "127.0.0.1",
-            port=parsed.port or 2379,
+        settings = {
+            "host": parsed.hostname or "127.0.0.1",
+            "port": parsed.port or 2379,
             # etcd's own authentication: http://user:password@host:2379
-            username=unquote(parsed.username) if parsed.username else None,
-            password=unquote(parsed.password) if parsed.password else None,
-            timeout=timeout,
-            options=_GRPC_OPTIONS,
+            "username": unquote(parsed.username) if parsed.username else None,
+            "password": unquote(parsed.password) if parsed.password else None,
+            "timeout": timeout,
+            "options": _GRPC_OPTIONS,
+        }
+        self._client = (
+            _TlsClient(_tls_credentials(), **settings)
+            if parsed.scheme == "https"
+            else aetcd.Client(**settings)
         )
         self._root = namespace_root(namespace)
         self._leased: dict[str, bytes] = {}

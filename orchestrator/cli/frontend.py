@@ -46,6 +46,13 @@ def add_frontend_arguments(parser: argparse.ArgumentParser, default_port: int = 
         help=f"HTTP port (env WEIR_PORT; default {default_port})",
     )
     http.add_argument(
+        "--probe-port",
+        type=int,
+        default=env_default("WEIR_PROBE_PORT", None, int),
+        help="also answer /health and /live on this port, from a thread, so probes get an answer "
+        "while the event loop is saturated (env WEIR_PROBE_PORT; default: off)",
+    )
+    http.add_argument(
         "--request-timeout",
         type=float,
         default=_DEFAULTS.request_timeout_s,
@@ -167,6 +174,7 @@ def frontend_config(
         return FrontendConfig(
             host=args.host,
             port=args.port,
+            probe_port=args.probe_port,
             namespace=namespace,
             router_mode=args.router_mode,
             router_params=router_params(args),

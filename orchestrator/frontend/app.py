@@ -11,6 +11,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 
 import msgspec
@@ -45,6 +46,7 @@ from orchestrator.frontend.errors import (
 from orchestrator.frontend.http_guard import ABORT_EXTENSION
 from orchestrator.frontend.metrics import Metrics
 from orchestrator.frontend.openapi import WeirApp
+from orchestrator.frontend.probes import ProbeServer
 from orchestrator.frontend.registry import ClientFactory, ModelRegistry
 from orchestrator.frontend.responses import ModelInfo, ModelList
 from orchestrator.frontend.serving import Serving
@@ -146,6 +148,12 @@ def build_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         follower = asyncio.create_task(registry.follow(discovery), name="weir-frontend-discovery")
+        if config.probe_port is not None:
+            probes = ProbeServer(
+                config.host, config.probe_port, {"/health": partial(_health, state), "/live": _live}
+            )
+            probes.start()
+            state.on_close.append(probes.stop)
         try:
             yield
         finally:
@@ -171,6 +179,18 @@ def build_app(
     return app
 
 
+def _health(state: FrontendState) -> tuple[int, bytes]:
+    """/health's answer. Also called on the probe thread (probes.py): reads attributes only."""
+    workers = state.registry.worker_count
+    # Draining fails readiness first, so load balancers stop sending before streams are cut.
+    status = "draining" if state.drain.draining else "ok" if workers else "no workers"
+    return 200 if status == "ok" else 503, msgspec.json.encode({"status": status, "workers": workers})
+
+
+def _live() -> tuple[int, bytes]:
+    return 200, b'{"status":"ok"}'
+
+
 def _add_routes(app: FastAPI, state: FrontendState) -> None:
     @app.get("/v1/models")
     async def models() -> Response:
@@ -179,15 +199,13 @@ def _add_routes(app: FastAPI, state: FrontendState) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        workers = state.registry.worker_count
-        # Draining fails readiness first, so load balancers stop sending before streams are cut.
-        status = "draining" if state.drain.draining else "ok" if workers else "no workers"
-        body = msgspec.json.encode({"status": status, "workers": workers})
-        return Response(body, status_code=200 if status == "ok" else 503, media_type="application/json")
+        status, body = _health(state)
+        return Response(body, status_code=status, media_type="application/json")
 
     @app.get("/live")
     async def live() -> Response:
-        return Response(b'{"status":"ok"}', media_type="application/json")
+        status, body = _live()
+        return Response(body, status_code=status, media_type="application/json")
 
     @app.get("/metrics")
     async def metrics() -> Response:

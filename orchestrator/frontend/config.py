@@ -17,6 +17,9 @@ REMOTE_FALLBACK_MODE = "least-loaded"
 class FrontendConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    # /health and /live also on this port, answered by a thread (probes.py) so that a kubelet
+    # hears back while the event loop is saturated; None: only on `port`.
+    probe_port: int | None = None
     namespace: str = "weir"
     # KV-aware by default; see routing.build_router for what each mode is fed.
     router_mode: str = "kv"
@@ -74,8 +77,10 @@ class FrontendConfig:
             )
         if (self.router_mode == "remote") != bool(self.router_address):
             raise ValueError("router mode 'remote' and a router address go together")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        for name in ("port", "probe_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port < 65536:
+                raise ValueError(f"{name} must be in 0..65535, got {port}")
         if self.request_timeout_s <= 0:
             raise ValueError("request_timeout_s must be positive")
         if self.max_body_bytes <= 0:

@@ -84,7 +84,9 @@ def test_frontend_deployment_and_service(external: list[Manifest]) -> None:
     dep = one(external, "Deployment", "prod-weir-frontend")
     assert dep["spec"]["replicas"] == 2
     container = _container(dep)
-    assert container["args"][:4] == ["frontend", "--host=0.0.0.0", "--port=8000", "--router-mode=kv"]
+    assert container["args"][:5] == [
+        "frontend", "--host=0.0.0.0", "--port=8000", "--probe-port=8081", "--router-mode=kv"
+    ]  # fmt: skip
     svc = one(external, "Service", "prod-weir-frontend")
     assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
@@ -159,8 +161,10 @@ def test_config_change_rolls_the_pods(helm_bin: str) -> None:
 
 def test_probes_hit_the_health_endpoints(defaults: list[Manifest]) -> None:
     frontend = _container(one(defaults, "Deployment", "r-weir-frontend"))
-    assert frontend["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-    assert frontend["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http"}
+    assert frontend["readinessProbe"]["httpGet"] == {"path": "/health", "port": "probes"}
+    assert frontend["livenessProbe"]["httpGet"] == {"path": "/live", "port": "probes"}
+    assert {"name": "probes", "containerPort": 8081, "protocol": "TCP"} in frontend["ports"]
+    assert "--probe-port=8081" in frontend["args"]
     worker = _container(one(defaults, "Deployment", "r-weir-pool-agg"))
     ports = {p["name"]: p["containerPort"] for p in worker["ports"]}
     assert ports == {"requests": 9000, "metrics": 9090}
@@ -410,6 +414,6 @@ def test_standalone_router_option(helm_bin: str, defaults: list[Manifest]) -> No
     assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"requests": 9100, "metrics": 9101}
     # The frontends ask the router through its Service.
     frontend = _container(one(manifests, "Deployment", "r-weir-frontend"))
-    assert frontend["args"][3:5] == ["--router-mode=remote", "--router-address=r-weir-router.weir.svc:9100"]
+    assert frontend["args"][4:6] == ["--router-mode=remote", "--router-address=r-weir-router.weir.svc:9100"]
     monitor = one(manifests, "ServiceMonitor", "r-weir-router")
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics"

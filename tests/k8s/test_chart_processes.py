@@ -60,12 +60,12 @@ def container_env(manifests: list[Manifest], container: Manifest, pod_ip: str) -
 
 @pytest.fixture
 def pods(helm_bin: str, etcd_url: str, nats_url: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
-    api_port, worker_port, metrics_port = free_port(), free_port(), free_port()
+    api_port, probe_port, worker_port, metrics_port = free_port(), free_port(), free_port(), free_port()
     values: dict[str, Any] = {
         "etcd": {"enabled": False, "endpoints": etcd_url},
         "nats": {"enabled": False, "url": nats_url},
         "weirNamespace": f"chart-{os.getpid()}",
-        "frontend": {"port": api_port, "routerMode": "round-robin"},
+        "frontend": {"port": api_port, "probePort": probe_port, "routerMode": "round-robin"},
         # The converted bundled model already sits under ~/.cache/weir: mount "the cache" there.
         "poolDefaults": {"cache": {"mountPath": str(Path.home() / ".cache")}},
         "pools": [{"name": "agg", "role": "aggregated", "backend": "mocker", "model": "smollm2-135m-instruct",
@@ -77,8 +77,8 @@ def pods(helm_bin: str, etcd_url: str, nats_url: str, tmp_path: Path) -> Iterato
     manifests = render(helm_bin, values_file)
     procs: list[subprocess.Popen[bytes]] = []
     started: dict[str, Any] = {"namespace": values["weirNamespace"], "api_port": api_port,
-                               "metrics_port": metrics_port, "procs": procs, "etcd": etcd_url,
-                               "nats": nats_url}  # fmt: skip
+                               "probe_port": probe_port, "metrics_port": metrics_port, "procs": procs,
+                               "etcd": etcd_url, "nats": nats_url}  # fmt: skip
     try:
         for name in ("r-weir-pool-agg", "r-weir-frontend"):
             container = find(manifests, "Deployment", name)[0]["spec"]["template"]["spec"]["containers"][0]
@@ -104,8 +104,9 @@ def test_rendered_pods_find_each_other_and_serve(pods: dict[str, Any]) -> None:
     # The probes the chart declares.
     wait_http_ok(f"http://127.0.0.1:{pods['metrics_port']}/live", 90, proc=worker)
     wait_http_ok(f"http://127.0.0.1:{pods['metrics_port']}/health", 90, proc=worker)
-    wait_http_ok(f"http://127.0.0.1:{pods['api_port']}/live", 90, proc=frontend)
-    wait_http_ok(f"http://127.0.0.1:{pods['api_port']}/health", 90, proc=frontend)  # ready: it has a worker
+    wait_http_ok(f"http://127.0.0.1:{pods['probe_port']}/live", 90, proc=frontend)
+    wait_http_ok(f"http://127.0.0.1:{pods['probe_port']}/health", 90, proc=frontend)  # ready: it has a worker
+    wait_http_ok(f"http://127.0.0.1:{pods['api_port']}/health", 90, proc=frontend)
 
     reply = httpx.post(
         f"http://127.0.0.1:{pods['api_port']}/v1/completions",
@@ -139,7 +140,7 @@ CPU_EXAMPLES = [CHART / "examples" / "mocker-cpu.yaml"]
 # The pods' "cache" volume, here: the user cache, where the bundled model is converted once (a
 # fresh directory per pod, as each pod's emptyDir is, would convert it again, 10-20 s apiece).
 LOCAL_CACHE = Path.home() / ".cache"
-PORT_FLAGS = ("--port", "--metrics-port")
+PORT_FLAGS = ("--port", "--metrics-port", "--probe-port")
 
 
 @dataclass

@@ -130,12 +130,15 @@ def test_metrics_count_requests_tokens_and_latency(model_dir: Path) -> None:
 
 def test_many_streams_with_hang_ups_leave_nothing_behind(model_dir: Path) -> None:
     with live_frontend(model_dir, num_workers=2, speedup=5.0) as live:
-        # Long enough (about a second of simulated decode) that a client reading its first
-        # chunk late on a loaded machine still hangs up mid-stream.
         body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1000, "stream": True, "ignore_eos": True}
+        # Streams that hang up are long (about four seconds of simulated decode), so that a
+        # client reading its first chunk late on a loaded machine still hangs up mid-stream:
+        # at 1,000 tokens all twenty once finished first.
+        long_body = {**body, "max_tokens": 4000}
 
         async def one(client: httpx.AsyncClient, hang_up: bool) -> bool:
-            async with client.stream("POST", f"{live.url}/v1/chat/completions", json=body) as response:
+            sent = long_body if hang_up else body
+            async with client.stream("POST", f"{live.url}/v1/chat/completions", json=sent) as response:
                 async for line in response.aiter_lines():
                     if hang_up and line.startswith("data: "):
                         return False  # leaving the block closes the connection mid-stream

@@ -24,6 +24,9 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting, blocks freed
+    # (block_id, payload) of prefix blocks onboarded from lower KV tiers: the runner writes
+    # them into the device cache before the forward, which is the first thing to read them.
+    loads: list[tuple[int, bytes]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

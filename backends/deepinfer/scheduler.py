@@ -17,10 +17,11 @@ from bisect import insort
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
-from backends.deepinfer.block_manager import BlockManager
 from backends.deepinfer.config import EngineConfig
+from backends.deepinfer.kv_cache_manager import KVCacheManager
 from backends.deepinfer.outputs import SampledToken, ScheduledChunk, SchedulerOutput, SeqOutput
 from backends.deepinfer.sequence import Sequence, SequenceStatus
+from kvbm.tiered import TieredStore
 from orchestrator.runtime.protocol import LoadReport, WorkerRequest
 
 
@@ -31,6 +32,7 @@ class Scheduler:
         num_blocks: int,
         eos_token_ids: Iterable[int] = (),
         max_model_len: int | None = None,
+        tiers: TieredStore | None = None,
     ) -> None:
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
@@ -38,7 +40,7 @@ class Scheduler:
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.max_model_len = max_model_len or config.max_model_len or None
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, tiers)
         self.waiting: list[tuple[int, int, Sequence]] = []  # heap of (priority, arrival, seq)
         self.running: list[Sequence] = []  # sorted by (priority, arrival)
         self._order: dict[str, tuple[int, int]] = {}  # request_id -> (priority, arrival)
@@ -97,8 +99,8 @@ class Scheduler:
             worker_id="",
             active_requests=self.num_running,
             waiting_requests=self.num_waiting,
-            active_blocks=self.block_manager.num_active_blocks,
-            total_blocks=self.block_manager.num_blocks,
+            active_blocks=self.kv_cache.num_active_blocks,
+            total_blocks=self.kv_cache.num_blocks,
             queued_prefill_tokens=self.queued_prefill_tokens(),
         )
 
@@ -110,6 +112,7 @@ class Scheduler:
         # As vLLM: a step that had to preempt admits nobody new, or it would thrash.
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        out.loads = self.kv_cache.take_loads()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -123,7 +126,7 @@ class Scheduler:
             if start + n > len(seq.block_table) * block_size:
                 if not self._make_room(seq, n, out):
                     break  # seq itself was preempted; everything after it already was
-                self.block_manager.allocate(seq, n)
+                self.kv_cache.allocate(seq, n)
             chunks.append(ScheduledChunk(seq, start, n, start + n == total))
             budget -= n
             i += 1
@@ -131,9 +134,9 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Preempt from the back of `running` until `seq` fits; False if `seq` itself went."""
-        while not self.block_manager.can_allocate(seq, num_tokens):
+        while not self.kv_cache.can_allocate(seq, num_tokens):
             victim = self.running.pop()
-            self.block_manager.deallocate(victim)
+            self.kv_cache.deallocate(victim)
             victim.status = SequenceStatus.WAITING
             heapq.heappush(self.waiting, (*self._order[victim.request_id], victim))
             self._waiting_tokens += len(victim)
@@ -143,20 +146,20 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        bm = self.block_manager
+        kv = self.kv_cache
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0][2]
-            prefix = bm.match_prefix(seq)
+            prefix = kv.match_prefix(seq)
             n = len(seq) - len(prefix) * self.block_size
             if n > budget:
                 if not self.enable_chunked_prefill:
                     break
                 n = budget
-            if not bm.can_allocate(seq, n, prefix):
+            if not kv.can_allocate(seq, n, prefix):
                 break  # strict order: nobody overtakes the head of the queue
             heapq.heappop(self.waiting)
             self._waiting_tokens -= len(seq)
-            bm.allocate(seq, n, prefix)
+            kv.allocate(seq, n, prefix)
             seq.status = SequenceStatus.RUNNING
             insort(self.running, seq, key=self._key)
             start = seq.num_computed_tokens
@@ -169,7 +172,7 @@ class Scheduler:
         results: list[SeqOutput] = []
         tokens = iter(sampled)
         any_finished = False
-        bm, block_size, running = self.block_manager, self.block_size, SequenceStatus.RUNNING
+        kv, block_size, running = self.kv_cache, self.block_size, SequenceStatus.RUNNING
         for chunk in out.chunks:
             seq = chunk.seq
             token = next(tokens) if chunk.sample else None
@@ -177,7 +180,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             seq.num_computed_tokens += chunk.num_tokens
             if seq.num_computed_tokens >= (seq.num_registered_blocks + 1) * block_size:
-                bm.cache_full_blocks(seq)  # a block filled up
+                kv.cache_full_blocks(seq)  # a block filled up
             if token is None:
                 continue
             seq.token_ids.append(token.token_id)
@@ -208,7 +211,7 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self.block_manager.deallocate(seq)
+        self.kv_cache.deallocate(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._seqs[seq.request_id]
@@ -238,7 +241,7 @@ class Scheduler:
         extent = prompt + request.max_tokens
         if self.max_model_len:
             extent = min(extent, self.max_model_len)
-        capacity = self.block_manager.num_blocks * self.block_size
+        capacity = self.kv_cache.num_blocks * self.block_size
         if extent > capacity:
             # It could never run even alone: it would preempt itself forever.
             raise ValueError(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
-from orchestrator.runtime.protocol import WorkerRequest
+from orchestrator.runtime.protocol import Tier, WorkerRequest
 
 
 class SequenceStatus(Enum):
@@ -22,6 +22,7 @@ class Sequence:
     __slots__ = (
         "block_hashes",
         "block_table",
+        "fetched",
         "finish_reason",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -45,9 +46,12 @@ class Sequence:
         self.block_hashes: list[int] = list(request.block_hashes)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (for usage)
-        # Leading entries of block_table already offered to the prefix cache (BlockManager).
+        # Leading entries of block_table already offered to the prefix cache (KVCacheManager).
         self.num_registered_blocks = 0
         self.finish_reason: str | None = None
+        # Lower-tier blocks already read for this sequence while it waits for room on the
+        # device (kvbm.TieredStore.fetch_prefix), so a retry reads nothing twice.
+        self.fetched: dict[int, tuple[Tier, bytes]] = {}
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -59,7 +59,7 @@ class DeepInferWorker:
             kv_bytes_per_token=engine.kv_bytes_per_token,
             role="aggregated",
             backend="deepinfer",
-            total_kv_blocks=engine.scheduler.block_manager.num_blocks,
+            total_kv_blocks=engine.scheduler.kv_cache.num_blocks,
             max_num_seqs=self.config.max_num_seqs,
             eos_token_ids=engine.eos_token_ids,
             vocab_size=engine.vocab_size,
@@ -84,12 +84,12 @@ class DeepInferWorker:
     def take_kv_events(self) -> list[KvEventBatch]:
         engine = self.engine
         with engine.lock:
-            return engine.scheduler.block_manager.take_events()
+            return engine.scheduler.kv_cache.take_events()
 
     def kv_snapshot(self) -> KvSnapshot:
         engine = self.engine
         with engine.lock:
-            return engine.scheduler.block_manager.snapshot()
+            return engine.scheduler.kv_cache.snapshot()
 
 
 # The flags moved to args.py (no torch); importing them from here keeps working.

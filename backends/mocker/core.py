@@ -65,7 +65,7 @@ class MockerCore:
         )
         # The scheduler applies EOS as DeepInfer's does (min_tokens, ignore_eos, finish "stop").
         self.scheduler = Scheduler(engine_config, config.num_blocks, config.eos_token_ids)
-        self.block_manager = self.scheduler.block_manager
+        self.kv_cache = self.scheduler.kv_cache
         self.timing = config.timing
         self.clock_ms = 0.0  # simulated time spent in steps so far
         self._eos = config.eos_token_ids[0]
@@ -142,7 +142,7 @@ class MockerCore:
                     while token in eos_ids:  # only the drawn length ends a request
                         token = (token + 1) % vocab_size
                 sampled.append(SampledToken(token))
-        duration = self.timing.step_ms(prefill_tokens, decoding, self.block_manager.usage)
+        duration = self.timing.step_ms(prefill_tokens, decoding, self.kv_cache.usage)
         self.clock_ms += duration
         outputs: list[RequestOutput] = []
         for result in self.scheduler.postprocess(out, sampled):
@@ -162,10 +162,10 @@ class MockerCore:
         return self.scheduler.load()
 
     def take_kv_events(self) -> list[KvEventBatch]:
-        return self.block_manager.take_events()
+        return self.kv_cache.take_events()
 
     def kv_snapshot(self) -> KvSnapshot:
-        return self.block_manager.snapshot()
+        return self.kv_cache.snapshot()
 
 
 def _token(seed: int, position: int, vocab_size: int) -> int:

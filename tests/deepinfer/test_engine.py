@@ -60,7 +60,7 @@ def test_second_serving_reports_cached_tokens_and_same_output(tiny_llama_dir: Pa
     assert first.seq.num_cached_tokens == 0
     assert second.seq.num_cached_tokens == 32  # the two full blocks; the tail is recomputed
     assert second.seq.token_ids == first.seq.token_ids
-    assert engine.scheduler.block_manager.num_active_blocks == 0
+    assert engine.scheduler.kv_cache.num_active_blocks == 0
 
 
 def test_prefix_caching_does_not_change_outputs(tiny_llama_dir: Path) -> None:

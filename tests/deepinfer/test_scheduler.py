@@ -105,7 +105,7 @@ def test_preemption_under_a_tiny_block_budget_still_completes_identically() -> N
         seqs = [s.add(request(f"r{i}", prompt=list(range(i, i + 10)), max_tokens=12)) for i in range(6)]
         outs = run(s)
         preempted = sum(len(o.preempted) for o in outs)
-        assert s.block_manager.num_active_blocks == 0
+        assert s.kv_cache.num_active_blocks == 0
         return {q.request_id: q.token_ids for q in seqs}, preempted
 
     roomy, none = outputs(num_blocks=64)
@@ -120,9 +120,9 @@ def test_abort_frees_blocks_at_once_wherever_the_request_is() -> None:
     running = s.add(request("run", prompt=12))
     waiting = s.add(request("wait", prompt=12))
     step(s)
-    assert s.block_manager.num_active_blocks == 3  # the 13th token's slot comes next step
+    assert s.kv_cache.num_active_blocks == 3  # the 13th token's slot comes next step
     assert s.abort("run") is running and running.finish_reason == "abort"
-    assert s.block_manager.num_active_blocks == 0 and s.num_running == 0
+    assert s.kv_cache.num_active_blocks == 0 and s.num_running == 0
     assert s.abort("wait") is waiting and s.num_waiting == 0
     assert s.abort("wait") is None
     assert not s.has_unfinished()
@@ -242,11 +242,11 @@ def test_any_workload_finishes_within_limits(
         queued += sum(max(0, q.num_prompt_tokens - q.num_computed_tokens) for q in s.running)
         assert s.queued_prefill_tokens() == queued
         held = {b for q in s.running for b in q.block_table}  # shared prefix blocks count once
-        assert s.block_manager.num_active_blocks == len(held)
+        assert s.kv_cache.num_active_blocks == len(held)
         assert steps < 10_000
     for q in seqs:
         if q.finish_reason == "abort":
             assert q.num_completion_tokens <= q.request.max_tokens
         else:
             assert q.finish_reason == "length" and q.num_completion_tokens == q.request.max_tokens
-    assert s.block_manager.num_active_blocks == 0
+    assert s.kv_cache.num_active_blocks == 0

@@ -139,7 +139,7 @@ def test_preemption_under_a_tiny_budget_still_completes_identically() -> None:
             preempted = max(preempted, core.scheduler.num_waiting)
             for o in outs:
                 outputs.setdefault(o.request_id, []).extend(o.token_ids)
-        assert core.block_manager.num_active_blocks == 0
+        assert core.kv_cache.num_active_blocks == 0
         return outputs, preempted
 
     roomy, _ = run(num_blocks=1024)
@@ -153,11 +153,11 @@ def test_abort_frees_blocks_and_returns_the_final_output() -> None:
     core.add(request("a", prompt=640, max_tokens=50))
     core.step()
     core.step()
-    assert core.block_manager.num_active_blocks == 11
+    assert core.kv_cache.num_active_blocks == 11
     final = core.abort("a")
     assert final is not None and final.finish_reason == "abort"
     assert final.usage is not None and final.usage.completion_tokens == 2
-    assert core.block_manager.num_active_blocks == 0 and not core.has_work()
+    assert core.kv_cache.num_active_blocks == 0 and not core.has_work()
     assert core.abort("a") is None
 
 

@@ -1,11 +1,11 @@
-"""BlockManager: prefix hits on the shared hash, ref counts, LRU eviction, KV events."""
+"""KVCacheManager (device only): prefix hits on the shared hash, ref counts, LRU eviction, KV events."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.deepinfer.block_manager import BlockManager
+from backends.deepinfer.kv_cache_manager import KVCacheManager
 from backends.deepinfer.sequence import Sequence
 from orchestrator.runtime.hashing import block_hashes
 from orchestrator.runtime.protocol import AllCleared, BlockRemoved, BlockStored, KvEventBatch, WorkerRequest
@@ -22,7 +22,7 @@ def make_seq(
     return Sequence(request)
 
 
-def prefill(bm: BlockManager, seq: Sequence) -> int:
+def prefill(bm: KVCacheManager, seq: Sequence) -> int:
     """Admit `seq` with its prefix hits and compute all its tokens, as one engine step would."""
     prefix = bm.match_prefix(seq)
     n = len(seq) - len(prefix) * BS
@@ -45,7 +45,7 @@ def apply(batches: list[KvEventBatch], index: set[int]) -> None:
 
 
 def test_prefix_hit_shares_blocks_and_counts_cached_tokens() -> None:
-    bm = BlockManager(16, BS)
+    bm = KVCacheManager(16, BS)
     a = make_seq(list(range(10)), "a")
     assert prefill(bm, a) == 0
     b = make_seq([*range(10), 99], "b")
@@ -53,12 +53,12 @@ def test_prefix_hit_shares_blocks_and_counts_cached_tokens() -> None:
     assert b.block_table[:2] == a.block_table[:2]
     assert b.block_table[2] != a.block_table[2]
     assert b.num_cached_tokens == 8
-    assert [bm.blocks[i].ref_count for i in a.block_table] == [2, 2, 1]
+    assert [bm.pool.blocks[i].ref_count for i in a.block_table] == [2, 2, 1]
     assert bm.num_active_blocks == 4
 
 
 def test_hashes_follow_the_shared_contract_and_the_salt() -> None:
-    bm = BlockManager(16, BS)
+    bm = KVCacheManager(16, BS)
     tokens = list(range(12))
     a = make_seq(tokens, "a")
     prefill(bm, a)
@@ -69,7 +69,7 @@ def test_hashes_follow_the_shared_contract_and_the_salt() -> None:
 
 
 def test_given_hashes_are_used_not_recomputed() -> None:
-    bm = BlockManager(16, BS)
+    bm = KVCacheManager(16, BS)
     a = make_seq(list(range(8)), "a", hashes=[111, 222])
     prefill(bm, a)
     stored = bm.take_events()[0].events[0]
@@ -77,14 +77,14 @@ def test_given_hashes_are_used_not_recomputed() -> None:
 
 
 def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
-    bm = BlockManager(16, BS)
+    bm = KVCacheManager(16, BS)
     prefill(bm, make_seq(list(range(8)), "a"))
     b = make_seq(list(range(8)), "b")
     assert len(bm.match_prefix(b)) == 1  # block 2 is recomputed to get the logits of token 8
 
 
 def test_generated_tokens_extend_the_hash_chain_incrementally() -> None:
-    bm = BlockManager(16, BS)
+    bm = KVCacheManager(16, BS)
     seq = make_seq(list(range(6)), "a")
     prefill(bm, seq)
     bm.take_events()
@@ -99,7 +99,7 @@ def test_generated_tokens_extend_the_hash_chain_incrementally() -> None:
 
 
 def test_deallocate_keeps_cached_blocks_until_evicted_lru_tail_first() -> None:
-    bm = BlockManager(6, BS)
+    bm = KVCacheManager(6, BS)
     a = make_seq([*range(8), 1000], "a")  # blocks: A0 A1 + partial
     b = make_seq([*range(100, 108), 1000], "b")  # B0 B1 + partial
     prefill(bm, a)
@@ -118,7 +118,7 @@ def test_deallocate_keeps_cached_blocks_until_evicted_lru_tail_first() -> None:
 
 
 def test_can_allocate_counts_free_prefix_hits_against_the_pool() -> None:
-    bm = BlockManager(3, BS)
+    bm = KVCacheManager(3, BS)
     a = make_seq([*range(8), 1], "a")
     prefill(bm, a)
     bm.deallocate(a)
@@ -130,7 +130,7 @@ def test_can_allocate_counts_free_prefix_hits_against_the_pool() -> None:
 
 
 def test_event_batches_are_numbered_and_snapshot_seals_pending_events() -> None:
-    bm = BlockManager(8, BS)
+    bm = KVCacheManager(8, BS)
     prefill(bm, make_seq(list(range(8)), "a"))
     (first,) = bm.take_events()
     assert first.event_id == 1 and first.worker_id == ""
@@ -147,7 +147,7 @@ def test_event_batches_are_numbered_and_snapshot_seals_pending_events() -> None:
 
 
 def test_prefix_caching_off_never_hits_nor_emits() -> None:
-    bm = BlockManager(8, BS, enable_prefix_caching=False)
+    bm = KVCacheManager(8, BS, enable_prefix_caching=False)
     prefill(bm, make_seq(list(range(8)), "a"))
     assert prefill(bm, make_seq([*range(8), 1], "b")) == 0
     assert bm.take_events() == []
@@ -166,7 +166,7 @@ def test_prefix_caching_off_never_hits_nor_emits() -> None:
     )
 )
 def test_events_reproduce_the_snapshot_and_counts_stay_exact(ops: list[tuple[int, int, int]]) -> None:
-    bm = BlockManager(10, BS)
+    bm = KVCacheManager(10, BS)
     live: list[Sequence] = []
     index: set[int] = set()
     for i, (prefix_id, length, free_now) in enumerate(ops):
@@ -193,10 +193,10 @@ def test_events_reproduce_the_snapshot_and_counts_stay_exact(ops: list[tuple[int
         for s in live:
             for block_id in s.block_table:
                 claims[block_id] += 1
-        assert claims == [b.ref_count for b in bm.blocks]
+        assert claims == [b.ref_count for b in bm.pool.blocks]
         assert bm.num_active_blocks + bm.num_free_blocks == bm.num_blocks
         assert bm.num_active_blocks == sum(1 for c in claims if c)
     snap = bm.snapshot()
     apply(bm.take_events(), index)
     assert index == set(snap.blocks["device"])
-    assert index == {b.seq_hash for b in bm.blocks if b.seq_hash is not None}
+    assert index == {b.seq_hash for b in bm.pool.blocks if b.seq_hash is not None}

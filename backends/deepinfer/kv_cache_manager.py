@@ -1,0 +1,253 @@
+"""Prefix caching over the device's block pool, the tiers below it, and the KV events both make.
+
+A block enters the prefix cache (hash -> block) once its tokens' KV has been computed
+(`cache_full_blocks`, called after each step), never at allocation, so a later request can
+never hit a block whose KV is still being written. With tiers (kvbm.TieredStore) the same
+blocks are then written through to them (`take_saves`, the engine copies their bytes out after
+the step), and a prefix walk that runs off the device's cache continues in the tiers: the
+blocks found there get fresh device blocks, enter the prefix cache at once, and are written
+into the device (`take_loads`) before the next forward, the only thing that reads them.
+
+Lower-tier payloads are read when the sequence is matched, before the step, so a block a tier
+cannot return intact is simply not part of the prefix and is recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from backends.deepinfer.block_pool import Block, BlockPool
+from backends.deepinfer.sequence import Sequence
+from kvbm.tiered import Fetched, TieredStore
+from orchestrator.runtime.hashing import block_hashes
+from orchestrator.runtime.protocol import (
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    KvEventBatch,
+    KvSnapshot,
+)
+
+
+@dataclass(slots=True)
+class Prefix:
+    """A sequence's cached prefix: device blocks, then blocks to load from lower tiers."""
+
+    blocks: list[Block] = field(default_factory=list)
+    loads: list[Fetched] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.blocks) + len(self.loads)
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        tiers: TieredStore | None = None,
+    ) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.tiers = tiers if enable_prefix_caching else None
+        self._events: list[KvEvent] = []  # not yet sealed into a batch
+        self._batches: list[KvEventBatch] = []
+        self._event_id = 0
+        self._loads: list[tuple[int, bytes]] = []  # (block_id, payload) to write before the forward
+        self._saves: list[tuple[int, int]] = []  # (block_id, seq_hash) to write through after it
+
+    # ------------------------------------------------------------------ counters
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_active_blocks(self) -> int:
+        return self.pool.num_active_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.pool.cached)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by live sequences."""
+        return self.pool.num_active_blocks / self.num_blocks
+
+    # ------------------------------------------------------------------ allocation
+
+    def match_prefix(self, seq: Sequence) -> Prefix:
+        """The cached blocks covering the longest prefix of `seq`, without taking them.
+
+        At least one token is left to compute: the step that computes it yields the logits."""
+        if not self.enable_prefix_caching:
+            return Prefix()
+        n_full = (len(seq) - 1) // self.block_size
+        self._hash_blocks(seq, n_full)
+        prefix = Prefix()
+        cached = self.pool.cached
+        for h in seq.block_hashes[:n_full]:
+            block = cached.get(h)
+            if block is None:
+                break
+            prefix.blocks.append(block)
+        if self.tiers is not None and len(prefix.blocks) < n_full:
+            rest = seq.block_hashes[len(prefix.blocks) : n_full]
+            prefix.loads = self.tiers.fetch_prefix(rest, seq.fetched)
+        return prefix
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: Prefix | None = None) -> bool:
+        """Whether `seq` can get slots for `num_new_tokens` more tokens (after `prefix`, for a
+        sequence without blocks). Prefix hits on free blocks take them off the free list too."""
+        prefix_len = len(prefix) if prefix is not None else 0
+        needed = self._blocks_needed(seq, num_new_tokens, prefix_len)
+        if needed == 0 and not prefix_len:
+            return True  # the common decode step: room left in the last block
+        taken = 0 if prefix is None else sum(1 for b in prefix.blocks if b.ref_count == 0) + len(prefix.loads)
+        return needed + taken <= self.pool.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix: Prefix | None = None) -> None:
+        """Give `seq` slots for `num_new_tokens` more tokens; the caller checked can_allocate."""
+        if not seq.block_table:  # admission (or resumption after preemption)
+            if prefix:
+                self._take_prefix(seq, prefix)
+            seq.num_computed_tokens = len(seq.block_table) * self.block_size
+            seq.num_registered_blocks = len(seq.block_table)
+            if seq.num_completion_tokens == 0:  # a sequence resumed mid-decode keeps its figure
+                seq.num_cached_tokens = seq.num_computed_tokens
+        elif prefix:
+            raise ValueError(f"{seq.request_id}: a prefix can only start an empty block table")
+        for _ in range(self._blocks_needed(seq, num_new_tokens, 0)):
+            seq.block_table.append(self._take_free().block_id)
+
+    def _take_prefix(self, seq: Sequence, prefix: Prefix) -> None:
+        for block in prefix.blocks:
+            self.pool.ref(block)
+            seq.block_table.append(block.block_id)
+        if not prefix.loads:
+            return
+        parent = seq.block_hashes[len(prefix.blocks) - 1] if prefix.blocks else None
+        for seq_hash, _, payload in prefix.loads:
+            block = self._take_free()
+            self.pool.cache(block, seq_hash)
+            seq.block_table.append(block.block_id)
+            self._loads.append((block.block_id, payload))
+        hashes = [seq_hash for seq_hash, _, _ in prefix.loads]
+        self._events.append(BlockStored(blocks=hashes, parent_seq_hash=parent))
+        assert self.tiers is not None
+        self.tiers.onboarded(prefix.loads)
+        seq.fetched.clear()
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Release all of `seq`'s blocks; it keeps its tokens and hashes (recompute on resume)."""
+        # Tail first: a sequence's last blocks are the least likely to be shared, so they
+        # should be the first evicted.
+        for block_id in reversed(seq.block_table):
+            self.pool.release(block_id)
+        seq.block_table.clear()
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Enter `seq`'s newly computed full blocks into the prefix cache; call after each step."""
+        n_full = seq.num_computed_tokens // self.block_size
+        first = seq.num_registered_blocks
+        if n_full <= first:
+            return
+        seq.num_registered_blocks = n_full
+        if not self.enable_prefix_caching:
+            return
+        self._hash_blocks(seq, n_full)
+        hashes = seq.block_hashes
+        cached = self.pool.cached
+        run: list[int] = []  # consecutive newly stored hashes: one BlockStored event
+        run_parent = hashes[first - 1] if first else None
+        for i in range(first, n_full):
+            h = hashes[i]
+            if h in cached:  # another sequence computed the same block first; keep theirs
+                if run:
+                    self._events.append(BlockStored(blocks=run, parent_seq_hash=run_parent))
+                    run = []
+                run_parent = h
+                continue
+            block_id = seq.block_table[i]
+            self.pool.cache(self.pool.blocks[block_id], h)
+            run.append(h)
+            if self.tiers is not None:
+                self._saves.append((block_id, h))
+        if run:
+            self._events.append(BlockStored(blocks=run, parent_seq_hash=run_parent))
+
+    def clear_cache(self) -> None:
+        """Forget every cached hash (blocks in use stay allocated, just uncached)."""
+        self.pool.clear()
+        self._events.append(AllCleared())
+
+    # ------------------------------------------------------------------ block moves
+
+    def take_loads(self) -> list[tuple[int, bytes]]:
+        """(block_id, payload) to write into the device before the next forward."""
+        loads, self._loads = self._loads, []
+        return loads
+
+    def take_saves(self) -> list[tuple[int, int]]:
+        """(block_id, seq_hash) computed by the last step, to copy out and offload."""
+        saves, self._saves = self._saves, []
+        return saves
+
+    # ------------------------------------------------------------------ events
+
+    def take_events(self) -> list[KvEventBatch]:
+        """Drain the event batches produced since the last call, numbered 1, 2, 3, ..."""
+        self._seal()
+        batches, self._batches = self._batches, []
+        return batches
+
+    def snapshot(self) -> KvSnapshot:
+        """Every cached block, per tier, exactly as of the returned event_id. Pending events
+        are sealed into that batch first (it is still delivered by the next take_events)."""
+        self._seal()
+        blocks: dict[str, list[int]] = {"device": list(self.pool.cached)}
+        if self.tiers is not None:
+            blocks.update(self.tiers.snapshot().items())
+        return KvSnapshot(worker_id="", event_id=self._event_id, blocks=blocks)
+
+    def _seal(self) -> None:
+        if self.tiers is not None:
+            self._events.extend(self.tiers.take_events())
+        if self._events:
+            self._event_id += 1
+            self._batches.append(KvEventBatch(worker_id="", event_id=self._event_id, events=self._events))
+            self._events = []
+
+    # ------------------------------------------------------------------ internals
+
+    def _blocks_needed(self, seq: Sequence, num_new_tokens: int, num_prefix_blocks: int) -> int:
+        tokens = seq.num_computed_tokens + num_prefix_blocks * self.block_size + num_new_tokens
+        return max(0, -(-tokens // self.block_size) - len(seq.block_table) - num_prefix_blocks)
+
+    def _hash_blocks(self, seq: Sequence, n_full: int) -> None:
+        """Extend seq.block_hashes to its first `n_full` blocks, hashing only the new ones."""
+        have = len(seq.block_hashes)
+        if have >= n_full:
+            return
+        bs = self.block_size
+        parent = seq.block_hashes[-1] if have else None
+        seq.block_hashes += block_hashes(
+            seq.token_ids[have * bs : n_full * bs], bs, salt=seq.request.cache_salt, parent=parent
+        )
+
+    def _take_free(self) -> Block:
+        block, evicted = self.pool.take_free()
+        if evicted is not None:
+            last = self._events[-1] if self._events else None
+            if isinstance(last, BlockRemoved) and last.tier == "device":  # evictions in a row: one event
+                last.seq_hashes.append(evicted)
+            else:
+                self._events.append(BlockRemoved(seq_hashes=[evicted]))
+        return block

@@ -1,0 +1,43 @@
+"""One KV block as bytes outside the engine: a fixed header, then the block's KV.
+
+The header names what the bytes are (the block's sequence hash and the layout id: model,
+dtype, block size and KV shape in one number, so a block written by another model or layout
+never matches) and carries a checksum of the payload. Every store below the engine's own
+memory keeps blocks in this form, and a record whose header or checksum does not check out
+is a miss: the engine recomputes the block rather than trust it.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import xxhash
+
+MAGIC = b"WEIRKV01"
+# magic, seq_hash, layout_id, payload checksum (xxh3-64), payload length
+HEADER = struct.Struct("<8sQQQI")
+HEADER_BYTES = HEADER.size
+
+
+def layout_id(*parts: object) -> int:
+    """A 64-bit id for a KV layout, from whatever determines it (model, dtype, block size,
+    layers, heads, head size)."""
+    return xxhash.xxh3_64_intdigest(repr(parts).encode())
+
+
+def encode(seq_hash: int, layout: int, payload: bytes | memoryview) -> bytes:
+    checksum = xxhash.xxh3_64_intdigest(payload)
+    return HEADER.pack(MAGIC, seq_hash, layout, checksum, len(payload)) + payload
+
+
+def decode(record: bytes | memoryview, seq_hash: int, layout: int) -> bytes | None:
+    """The payload of `record` if it is the block `seq_hash` of `layout`, intact; else None."""
+    if len(record) < HEADER_BYTES:
+        return None
+    magic, stored_hash, stored_layout, checksum, length = HEADER.unpack_from(record)
+    if magic != MAGIC or stored_hash != seq_hash or stored_layout != layout:
+        return None
+    payload = record[HEADER_BYTES : HEADER_BYTES + length]
+    if len(payload) != length or xxhash.xxh3_64_intdigest(payload) != checksum:
+        return None
+    return bytes(payload)

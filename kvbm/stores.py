@@ -1,0 +1,110 @@
+"""The stores below the engine's memory, one per tier, behind one small interface.
+
+A store maps a block's sequence hash to its bytes. It is synchronous (the engine calls it
+between steps, from its step thread) and bounded: `put` makes room by evicting its least
+recently used blocks and returns their hashes, so the caller can publish the removals as KV
+events. `get` returns the verified payload or None: a block that fails its checksum is
+dropped and counts as a miss (records.py).
+
+`HostStore` is G2: a buffer allocated once, one slot per block. With `block_bytes=0` it keeps
+only which hashes it holds, which is what the mocker and the offline replay need: they move
+no bytes, only time.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Protocol
+
+from orchestrator.runtime.protocol import Tier
+
+
+class KvStore(Protocol):
+    tier: Tier
+    capacity_blocks: int
+    block_bytes: int  # payload bytes per block (0: hashes only)
+
+    def __len__(self) -> int: ...
+
+    def __contains__(self, seq_hash: int) -> bool: ...
+
+    def get(self, seq_hash: int) -> bytes | None:
+        """The block's payload, and it becomes the most recently used; None on a miss."""
+        ...
+
+    def put(self, seq_hash: int, payload: bytes) -> list[int]:
+        """Store a block (a no-op if present, bar recency); returns the hashes evicted for it."""
+        ...
+
+    def discard(self, seq_hash: int) -> None: ...
+
+    def hashes(self) -> list[int]: ...
+
+    def close(self) -> None: ...
+
+
+class HostStore:
+    """G2: host memory, preallocated. LRU over slots. `tier` is "host" but for the simulated
+    stores of the mocker, which stand in for any tier with `block_bytes=0`."""
+
+    def __init__(self, capacity_blocks: int, block_bytes: int, tier: Tier = "host") -> None:
+        if capacity_blocks <= 0:
+            raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
+        self.tier = tier
+        self.capacity_blocks = capacity_blocks
+        self.block_bytes = block_bytes
+        self._buffer = bytearray(capacity_blocks * block_bytes)
+        self._view = memoryview(self._buffer)
+        self._slots: OrderedDict[int, int] = OrderedDict()  # seq_hash -> slot, LRU first
+        self._free = list(range(capacity_blocks - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, seq_hash: int) -> bool:
+        return seq_hash in self._slots
+
+    def get(self, seq_hash: int) -> bytes | None:
+        slot = self._slots.get(seq_hash)
+        if slot is None:
+            return None
+        self._slots.move_to_end(seq_hash)
+        start = slot * self.block_bytes
+        return bytes(self._view[start : start + self.block_bytes])
+
+    def put(self, seq_hash: int, payload: bytes) -> list[int]:
+        if seq_hash in self._slots:
+            self._slots.move_to_end(seq_hash)
+            return []
+        if len(payload) != self.block_bytes:
+            raise ValueError(f"a block is {self.block_bytes} bytes here, got {len(payload)}")
+        evicted: list[int] = []
+        if not self._free:
+            old, slot = self._slots.popitem(last=False)
+            self._free.append(slot)
+            evicted.append(old)
+        slot = self._free.pop()
+        start = slot * self.block_bytes
+        self._view[start : start + self.block_bytes] = payload
+        self._slots[seq_hash] = slot
+        return evicted
+
+    def pop_oldest(self) -> tuple[int, bytes] | None:
+        """Evict the least recently used block and hand back its bytes (to demote them)."""
+        if not self._slots:
+            return None
+        seq_hash, slot = self._slots.popitem(last=False)
+        self._free.append(slot)
+        start = slot * self.block_bytes
+        return seq_hash, bytes(self._view[start : start + self.block_bytes])
+
+    def discard(self, seq_hash: int) -> None:
+        slot = self._slots.pop(seq_hash, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def hashes(self) -> list[int]:
+        return list(self._slots)
+
+    def close(self) -> None:
+        self._slots.clear()

@@ -1,0 +1,166 @@
+"""G4: KV blocks in Redis, shared by every worker of a model.
+
+The remote tier is what lets one worker reuse a prefix another worker computed, so keys
+carry only the layout and the sequence hash, nothing of the worker. Redis bounds the tier,
+not the worker: entries expire after `ttl_s` unless read again (GETEX renews the TTL, so a
+read counts as use), and the server's maxmemory policy evicts under pressure. That is why
+`put` never reports evictions and why the store is not enumerated: `hashes()` would be a
+SCAN over every worker's blocks, changing as it runs, and no worker owns what it finds.
+
+The store is a cache, so Redis being down must cost hit rate, never a step: the first
+connection error or timeout switches the store off (one warning), every call is then a miss
+or a no-op without touching the network, and after a back-off (1 s doubling to 30 s) the
+next call sends a PING and switches the store back on if it is answered. redis-py's own
+retries are turned off so that a call fails within `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from kvbm import records
+from orchestrator.runtime.protocol import Tier
+
+log = logging.getLogger(__name__)
+
+BACKOFF_START_S = 1.0
+BACKOFF_MAX_S = 30.0
+
+_T = TypeVar("_T")
+
+
+class RedisStore:
+    """G4: Redis at `url`; `capacity_blocks` is nominal (Redis evicts, the worker never
+    fills it)."""
+
+    tier: Tier = "remote"
+    capacity_blocks: int = sys.maxsize
+
+    def __init__(
+        self, url: str, layout: int, block_bytes: int, ttl_s: int = 3600, timeout_s: float = 0.5
+    ) -> None:
+        self.url = url
+        self.layout = layout
+        self.block_bytes = block_bytes
+        self.ttl_s = ttl_s
+        self.available = True
+        self._prefix = f"weir:kv:{layout:016x}:"
+        self._backoff_s = 0.0
+        self._retry_at = 0.0
+        self._client = redis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
+
+    def key(self, seq_hash: int) -> str:
+        return f"{self._prefix}{seq_hash:016x}"
+
+    def __len__(self) -> int:
+        """0: the remote tier is not enumerated (see the module's docstring)."""
+        return 0
+
+    def __contains__(self, seq_hash: int) -> bool:
+        return self._call(lambda c: bool(c.exists(self.key(seq_hash))), False)
+
+    def get(self, seq_hash: int) -> bytes | None:
+        return self.get_many([seq_hash])[0]
+
+    def get_many(self, hashes: Iterable[int]) -> list[bytes | None]:
+        """The blocks' payloads in one round trip, None for each miss; a damaged record is
+        deleted, for every worker."""
+        hashes = list(hashes)
+        keys = [self.key(h) for h in hashes]
+
+        def fetch(client: redis.Redis) -> list[bytes | None]:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.getex(key, ex=self.ttl_s)
+            values: list[bytes | None] = pipe.execute()
+            payloads = [
+                None if value is None else records.decode(value, h, self.layout)
+                for h, value in zip(hashes, values, strict=True)
+            ]
+            damaged = [
+                key
+                for key, value, payload in zip(keys, values, payloads, strict=True)
+                if value is not None and payload is None
+            ]
+            if damaged:
+                log.warning("%d KV block(s) in %s failed their check, deleted", len(damaged), self.url)
+                client.delete(*damaged)
+            return payloads
+
+        return self._call(fetch, [None] * len(keys))
+
+    def put(self, seq_hash: int, payload: bytes) -> list[int]:
+        """Store (or refresh) a block; never evicts from the worker's side, so returns []."""
+        self.put_many([(seq_hash, payload)])
+        return []
+
+    def put_many(self, items: Iterable[tuple[int, bytes]]) -> None:
+        """Store blocks in one round trip."""
+        encoded: list[tuple[str, bytes]] = []
+        for seq_hash, payload in items:
+            if len(payload) != self.block_bytes:
+                raise ValueError(f"a block is {self.block_bytes} bytes here, got {len(payload)}")
+            encoded.append((self.key(seq_hash), records.encode(seq_hash, self.layout, payload)))
+
+        def store(client: redis.Redis) -> None:
+            pipe = client.pipeline(transaction=False)
+            for key, record in encoded:
+                pipe.set(key, record, ex=self.ttl_s)
+            pipe.execute()
+
+        if encoded:
+            self._call(store, None)
+
+    def discard(self, seq_hash: int) -> None:
+        """Delete the block, for every worker."""
+        self._call(lambda c: c.delete(self.key(seq_hash)), None)
+
+    def hashes(self) -> list[int]:
+        """[]: the remote tier is not enumerated (see the module's docstring)."""
+        return []
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _call(self, op: Callable[[redis.Redis], _T], miss: _T) -> _T:
+        """`op(client)`, or `miss` while Redis is unreachable (and when it turns out to be)."""
+        if not self.available and not self._recovered():
+            return miss
+        try:
+            return op(self._client)
+        except (RedisConnectionError, RedisTimeoutError) as e:
+            self.available = False
+            self._backoff_s = BACKOFF_START_S
+            self._retry_at = time.monotonic() + self._backoff_s
+            log.warning("KV store %s unreachable (%s): remote tier off until it answers again", self.url, e)
+            return miss
+
+    def _recovered(self) -> bool:
+        """Once the back-off has passed, PING; on an answer the store is back on, otherwise
+        the back-off doubles."""
+        if time.monotonic() < self._retry_at:
+            return False
+        try:
+            self._client.ping()
+        except (RedisConnectionError, RedisTimeoutError):
+            self._backoff_s = min(self._backoff_s * 2, BACKOFF_MAX_S)
+            self._retry_at = time.monotonic() + self._backoff_s
+            return False
+        self.available = True
+        log.info("KV store %s answers again: remote tier back on", self.url)
+        return True

@@ -1,0 +1,170 @@
+"""RedisStore against a real redis-server: blocks shared between workers, damage as a miss,
+and an outage that costs hit rate, one warning, and nothing else."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import redis
+
+from kvbm import redis_store
+from kvbm.redis_store import RedisStore
+from tests.servers import free_port, stop_process, wait_for_port
+from tests.waiting import wait_until
+
+LAYOUT = 0xABC
+BLOCK = 4096
+REDIS_SERVER = "/usr/bin/redis-server"
+
+
+def block(i: int) -> bytes:
+    return (f"kv-{i:04d}.".encode() * (BLOCK // 8 + 1))[:BLOCK]
+
+
+@contextmanager
+def redis_on(port: int, workdir: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A redis-server on `port`, so that a test can kill it and start another on the same port."""
+    args = [REDIS_SERVER, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
+    with (workdir / f"redis-{port}.log").open("ab") as out:
+        proc = subprocess.Popen([*args, "--dir", str(workdir)], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for_port(port, proc=proc)
+        yield proc
+    finally:
+        stop_process(proc, timeout=5)
+
+
+@pytest.fixture
+def port() -> int:
+    if not Path(REDIS_SERVER).exists():
+        pytest.skip(f"{REDIS_SERVER} not found: install Debian's redis-server")
+    return free_port()
+
+
+@pytest.fixture
+def url(port: int, tmp_path: Path) -> Iterator[str]:
+    with redis_on(port, tmp_path):
+        yield f"redis://127.0.0.1:{port}"
+
+
+def test_round_trip(url: str) -> None:
+    store = RedisStore(url, LAYOUT, BLOCK)
+    assert store.tier == "remote" and store.available
+    assert 1 not in store and store.get(1) is None
+    assert store.put(1, block(1)) == []
+    assert 1 in store and store.get(1) == block(1)
+    store.discard(1)
+    assert 1 not in store
+    with pytest.raises(ValueError):
+        store.put(2, b"short")
+    key = store.key(1)
+    assert key == f"weir:kv:{LAYOUT:016x}:{1:016x}"
+    store.put(1, block(1))
+    assert 0 < redis.Redis.from_url(url).ttl(key) <= 3600
+    store.close()
+
+
+def test_pipelined_get_many_and_put_many(url: str) -> None:
+    store = RedisStore(url, LAYOUT, BLOCK)
+    store.put_many((i, block(i)) for i in range(0, 20, 2))
+    got = store.get_many(range(20))
+    assert got == [block(i) if i % 2 == 0 else None for i in range(20)]
+    store.put_many([])
+    assert store.get_many([]) == []
+    store.close()
+
+
+def test_a_damaged_value_is_a_miss_and_deleted(url: str, caplog: pytest.LogCaptureFixture) -> None:
+    store = RedisStore(url, LAYOUT, BLOCK)
+    raw = redis.Redis.from_url(url)
+    store.put_many([(1, block(1)), (2, block(2))])
+    raw.set(store.key(1), b"garbage, not a record")
+    value = raw.get(store.key(2))
+    assert isinstance(value, bytes)
+    record = bytearray(value)
+    record[-1] ^= 0x01
+    raw.set(store.key(2), bytes(record))
+    assert store.get_many([1, 2]) == [None, None]
+    assert raw.exists(store.key(1), store.key(2)) == 0
+    assert "failed their check" in caplog.text
+    # A block of another layout never answers for this one, though the hash is the same.
+    other = RedisStore(url, LAYOUT + 1, BLOCK)
+    other.put(3, block(3))
+    raw.copy(other.key(3), store.key(3))
+    assert store.get(3) is None and other.get(3) == block(3)
+    store.close()
+    other.close()
+
+
+def test_two_workers_share_blocks(url: str) -> None:
+    first, second = RedisStore(url, LAYOUT, BLOCK), RedisStore(url, LAYOUT, BLOCK)
+    first.put(42, block(42))
+    assert 42 in second and second.get(42) == block(42)
+    second.discard(42)
+    assert 42 not in first
+    first.close()
+    second.close()
+
+
+def test_an_outage_is_a_miss_with_one_warning_and_recovers(
+    port: int, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(redis_store, "BACKOFF_START_S", 0.05)
+    monkeypatch.setattr(redis_store, "BACKOFF_MAX_S", 0.2)
+    caplog.set_level(logging.INFO, logger="kvbm.redis_store")
+    url = f"redis://127.0.0.1:{port}"
+    with redis_on(port, tmp_path) as server:
+        store = RedisStore(url, LAYOUT, BLOCK)
+        store.put(1, block(1))
+        assert store.get(1) == block(1)
+        server.kill()
+        server.wait()
+        assert store.get(1) is None
+        assert not store.available
+        # Down: every call is a miss or a no-op, through several failed PINGs, and no more warnings.
+        wait_until(
+            lambda: store.get(1) is None and store._backoff_s == redis_store.BACKOFF_MAX_S,
+            "failed PINGs to double the back-off to its cap",
+        )
+        for _ in range(20):
+            assert store.get(1) is None and 1 not in store
+            assert store.get_many([1, 2]) == [None, None]
+            assert store.put(2, block(2)) == []
+            store.put_many([(3, block(3))])
+            store.discard(1)
+        assert not store.available
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    with redis_on(port, tmp_path):
+        # The same object comes back by itself once Redis answers (its data went with it).
+        wait_until(lambda: store.get(1) is None and store.available, "the store to come back")
+        store.put(1, block(1))
+        assert store.get(1) == block(1)
+        assert "answers again" in caplog.text
+        store.close()
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+
+
+def test_a_hung_server_costs_one_timeout(port: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(redis_store, "BACKOFF_START_S", 0.05)
+    with redis_on(port, tmp_path) as server:
+        store = RedisStore(f"redis://127.0.0.1:{port}", LAYOUT, BLOCK, timeout_s=0.2)
+        store.put(1, block(1))
+        server.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert store.get(1) is None
+            assert time.monotonic() - started < 1.0  # redis-py's own retries are off
+            assert not store.available
+        finally:
+            server.send_signal(signal.SIGCONT)
+        wait_until(lambda: store.get(1) == block(1), "the store to come back")
+        assert store.available
+        store.close()

@@ -13,6 +13,7 @@ import torch
 from backends.deepinfer.config import EngineConfig
 from backends.deepinfer.forward_batch import DecodePlan, ForwardBatch, PrefillSpan
 from backends.deepinfer.hf_config import HFConfig
+from backends.deepinfer.kv_cache import PagedKVCache
 from backends.deepinfer.layers.attention import Attention
 from backends.deepinfer.layers.mla import MLAttention
 from backends.deepinfer.loader import load_weights
@@ -49,7 +50,8 @@ class ModelRunner:
 
     Attributes for the rest of the engine: `device`, `dtype`, `hf_config`, `vocab_size`,
     `max_model_len`, `block_size`, `num_kv_blocks` (what the block manager may hand out:
-    block ids are 0 .. num_kv_blocks - 1) and `kv_bytes_per_token` (for the model card).
+    block ids are 0 .. num_kv_blocks - 1), `kv_bytes_per_token` (for the model card) and
+    `kv_cache` (whole blocks as bytes, to offload and load back).
 
     Deterministic mode (`config.deterministic`) runs each chunk of a step as its own forward
     pass. Matmul kernels pick their blocking (and so their summation order) by the number of
@@ -83,6 +85,7 @@ class ModelRunner:
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory()
         for layer in self._cache_layers:
             layer.allocate_cache(self.num_kv_blocks, self.block_size, self.dtype, self.device)
+        self.kv_cache = PagedKVCache.from_layers(self._cache_layers)
         # The last step's decode sequences and context lengths, and the workspace capacity
         # (see DecodePlan); empty after a failed step, so the next one refills.
         self._decode_seqs: list[Sequence] = []

@@ -154,6 +154,8 @@ class DiskStore:
             raise ValueError(f"a block is {self.block_bytes} bytes here, got {len(payload)}")
         evicted: list[int] = []
         if not self._free:
+            if not self._slots:
+                return []  # every slot retired: the disk holds not one block
             old, slot = self._slots.popitem(last=False)
             self._free.append(slot)
             evicted.append(old)

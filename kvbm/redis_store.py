@@ -11,7 +11,9 @@ The store is a cache, so Redis being down must cost hit rate, never a step: the 
 connection error or timeout switches the store off (one warning), every call is then a miss
 or a no-op without touching the network, and after a back-off (1 s doubling to 30 s) the
 next call sends a PING and switches the store back on if it is answered. redis-py's own
-retries are turned off so that a call fails within `timeout_s`.
+retries are turned off so that a call fails within `timeout_s`. A command Redis refuses
+(out of memory under a noeviction policy) is a miss too, with a warning a minute at most,
+but leaves the store on: the server is there, it is only full.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from typing import TypeVar
 import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from kvbm import records
 from orchestrator.runtime.protocol import Tier
+from orchestrator.runtime.throttled_log import ThrottledWarning
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,7 @@ class RedisStore:
         self._prefix = f"weir:kv:{layout:016x}:"
         self._backoff_s = 0.0
         self._retry_at = 0.0
+        self._refused = ThrottledWarning(log, every_s=60.0)
         self._client = redis.Redis.from_url(
             url,
             socket_timeout=timeout_s,
@@ -143,6 +148,9 @@ class RedisStore:
             return miss
         try:
             return op(self._client)
+        except ResponseError as e:  # an error of this command, e.g. OOM under noeviction
+            self._refused("KV store %s refused a command: %s", self.url, e)
+            return miss
         except (RedisConnectionError, RedisTimeoutError) as e:
             self.available = False
             self._backoff_s = BACKOFF_START_S

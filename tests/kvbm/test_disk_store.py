@@ -111,7 +111,9 @@ def test_another_layout_is_a_miss(tmp_path: Path) -> None:
     assert len(other) == 0 and other.get(1) is None
     other.close()
     # And a block size that differs from the file's is no match either.
-    assert len(DiskStore(tmp_path, 4, BLOCK - 1, LAYOUT)) == 0
+    smaller = DiskStore(tmp_path, 4, BLOCK - 1, LAYOUT)
+    assert len(smaller) == 0
+    smaller.close()
 
 
 @pytest.fixture
@@ -147,4 +149,18 @@ def test_a_full_disk_stores_what_fits_and_warns_once(
     assert store.hashes()[-1] == 39  # still taking blocks, by evicting within what fits
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    store.close()
+
+
+def test_a_disk_with_no_room_at_all_stores_nothing(
+    tiny_tmpfs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvbm.disk")
+    with (tiny_tmpfs / "filler").open("wb", buffering=0) as f, pytest.raises(OSError):
+        while True:
+            f.write(bytes(4096))
+    store = DiskStore(tiny_tmpfs, 4, BLOCK, LAYOUT)
+    assert [store.put(i, block(i)) for i in range(10)] == [[]] * 10
+    assert len(store) == 0 and store.capacity_blocks == 0 and store.get(0) is None
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
     store.close()

@@ -103,6 +103,21 @@ def test_a_damaged_value_is_a_miss_and_deleted(url: str, caplog: pytest.LogCaptu
     other.close()
 
 
+def test_a_full_redis_is_a_miss_and_the_store_stays_on(url: str, caplog: pytest.LogCaptureFixture) -> None:
+    raw = redis.Redis.from_url(url)
+    store = RedisStore(url, LAYOUT, BLOCK)
+    store.put(0, block(0))
+    used = int(raw.info("memory")["used_memory"])
+    raw.config_set("maxmemory-policy", "noeviction")
+    raw.config_set("maxmemory", used + 20 * BLOCK)
+    for i in range(1, 100):  # no raise: refused SETs are dropped
+        assert store.put(i, block(i)) == []
+    store.put_many((i, block(i)) for i in range(100, 200))
+    assert "refused a command" in caplog.text and "maxmemory" in caplog.text
+    assert store.available and store.get(0) == block(0)
+    store.close()
+
+
 def test_two_workers_share_blocks(url: str) -> None:
     first, second = RedisStore(url, LAYOUT, BLOCK), RedisStore(url, LAYOUT, BLOCK)
     first.put(42, block(42))

@@ -1,0 +1,260 @@
+"""What each KV tier's store costs, against the raw limit of the medium under it.
+
+A store is worth what it adds on top of the medium: a copy into the record (header and
+checksum), the checksum itself, the index, and for Redis the client. So each tier is timed
+twice on the same block size in one run, once raw (the cheapest way to move those bytes:
+slice assignment into a bytearray, and a copy out of it into new bytes; `os.pwrite` and
+`os.preadv` of whole slots on an O_DIRECT file, or a buffered one where the filesystem
+refuses O_DIRECT; pipelined SET/GET of values of the record's size) and once through the
+store, and the ratio store/raw is the figure to watch: a falling ratio is the store's
+overhead growing, whatever the machine.
+
+Raw and store passes alternate, and each figure is the best of `--repeat` passes over
+`--mib` MiB: a shared machine's disk and cores drift by tens of percent within a minute, and
+timing the two back to back keeps that drift out of the ratio. Every figure counts block
+payload bytes (the raw passes move the same slots and values as the stores, headers and
+padding included), so a ratio is a ratio of blocks per second.
+
+Buffered disk I/O reads back from the page cache, so `disk_direct: false` figures are
+memory speeds, not the disk's. Redis runs on this machine (its own redis-server on a free
+port unless `--redis-url` is given), so its figures are the client's and the loopback's
+limits, not a network's.
+
+    python benchmarks/kvbm_tiers.py [--block-bytes 65536] [--mib 256] [--batch 32] [--redis-url URL]
+
+Final JSON line: block_bytes, blocks, disk_direct, and in GB/s: memcpy, memcpy_out,
+disk_raw_write, disk_raw_read, redis_raw_set, redis_raw_get, host_put, host_get, disk_put,
+disk_get, redis_put_many, redis_get_many; then ratio_<tier>_<op> = store / raw (host_get
+against memcpy_out, host_put against memcpy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import mmap
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import redis
+
+from kvbm import records
+from kvbm.disk import DiskStore, slot_bytes
+from kvbm.redis_store import RedisStore
+from kvbm.stores import HostStore
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # for tests.servers, which starts the redis-server
+
+LAYOUT = records.layout_id("kvbm_tiers benchmark")
+SMOLLM2_BLOCK = 30 * 2 * 3 * 64 * 16 * 4  # layers x (K, V) x kv heads x head dim x tokens x fp32
+DISTINCT = 16  # payloads cycled through: the bytes themselves do not matter, only that they vary
+
+Pass = Callable[[int], object]  # one pass over all blocks; its argument is the pass's index
+
+
+def paired(nbytes: int, repeat: int, raw: Pass, store: Pass) -> tuple[float, float]:
+    """The best of `repeat` alternating passes of `raw` and `store` moving `nbytes`, GB/s."""
+    best = [float("inf"), float("inf")]
+    for r in range(repeat):
+        for i, run in enumerate((raw, store)):
+            started = time.perf_counter()
+            run(r)
+            best[i] = min(best[i], time.perf_counter() - started)
+    return nbytes / best[0] / 1e9, nbytes / best[1] / 1e9
+
+
+def each(n: int, op: Callable[[int], object]) -> None:
+    """`op(i)` for i in range(n), results dropped at once: keeping them would time the
+    allocator's page faults, not the copies."""
+    for i in range(n):
+        op(i)
+
+
+def batches(n: int, size: int) -> Iterator[range]:
+    for start in range(0, n, size):
+        yield range(start, min(start + size, n))
+
+
+def host_tier(payloads: list[bytes], n: int, repeat: int) -> dict[str, float]:
+    """Raw is slice assignment into one big bytearray for puts, and a copy out of it into
+    a new bytes object (what returning a block costs) for gets."""
+    size = len(payloads[0])
+    view = memoryview(bytearray(n * size))
+    store = HostStore(n, size)
+
+    def copy_in(i: int) -> None:
+        view[i * size : (i + 1) * size] = payloads[i % DISTINCT]
+
+    def copy_out(i: int) -> bytes:
+        return bytes(view[i * size : (i + 1) * size])
+
+    # Pass r stores new hashes, so from the second pass on every put evicts, as in a full cache.
+    memcpy, put = paired(
+        n * size,
+        repeat,
+        lambda _: each(n, copy_in),
+        lambda r: each(n, lambda i: store.put(r * n + i, payloads[i % DISTINCT])),
+    )
+    last = (repeat - 1) * n
+    memcpy_out, get = paired(
+        n * size, repeat, lambda _: each(n, copy_out), lambda _: each(n, lambda i: store.get(last + i))
+    )
+    store.close()
+    return {"memcpy_GBps": memcpy, "memcpy_out_GBps": memcpy_out, "host_put_GBps": put, "host_get_GBps": get}
+
+
+def open_direct(path: Path) -> tuple[int, bool]:
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644), True
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644), False
+
+
+def disk_tier(directory: Path, payloads: list[bytes], n: int, repeat: int) -> dict[str, float | bool]:
+    """Whole-slot writes and reads, as DiskStore does them, without records or an index."""
+    size = len(payloads[0])
+    slot = slot_bytes(size)
+    buffer = mmap.mmap(-1, slot)
+    buffer[:size] = payloads[0]
+    fd, direct = open_direct(directory / "raw.slab")
+    os.posix_fallocate(fd, 0, n * slot)
+    store = DiskStore(directory, n, size, LAYOUT)
+    last = (repeat - 1) * n
+    try:
+        raw_write, put = paired(
+            n * size,
+            repeat,
+            lambda _: each(n, lambda i: os.pwrite(fd, buffer, i * slot)),
+            lambda r: each(n, lambda i: store.put(r * n + i, payloads[i % DISTINCT])),
+        )
+        raw_read, get = paired(
+            n * size,
+            repeat,
+            lambda _: each(n, lambda i: os.preadv(fd, [buffer], i * slot)),
+            lambda _: each(n, lambda i: store.get(last + i)),
+        )
+        assert all(store.get(last + i) == payloads[i % DISTINCT] for i in range(0, n, max(1, n // 16)))
+    finally:
+        os.close(fd)
+        buffer.close()
+        store.close()
+    return {
+        "disk_direct": direct and store.direct,
+        "disk_raw_write_GBps": raw_write,
+        "disk_raw_read_GBps": raw_read,
+        "disk_put_GBps": put,
+        "disk_get_GBps": get,
+    }
+
+
+def redis_tier(url: str, payloads: list[bytes], n: int, batch: int, repeat: int) -> dict[str, float]:
+    client = redis.Redis.from_url(url)
+    store = RedisStore(url, LAYOUT, len(payloads[0]))
+    value = b"\0" * records.HEADER_BYTES + payloads[0]
+
+    def raw_set(_: int) -> None:
+        for keys in batches(n, batch):
+            pipe = client.pipeline(transaction=False)
+            for i in keys:
+                pipe.set(f"bench:raw:{i}", value, ex=3600)
+            pipe.execute()
+
+    def raw_get(_: int) -> None:
+        for keys in batches(n, batch):
+            pipe = client.pipeline(transaction=False)
+            for i in keys:
+                pipe.get(f"bench:raw:{i}")
+            pipe.execute()
+
+    def put_many(_: int) -> None:
+        for hashes in batches(n, batch):
+            store.put_many((h, payloads[h % DISTINCT]) for h in hashes)
+
+    def get_many(_: int) -> None:
+        for hashes in batches(n, batch):
+            store.get_many(hashes)
+
+    nbytes = n * len(payloads[0])
+    raw_set_gbps, put = paired(nbytes, repeat, raw_set, put_many)
+    raw_get_gbps, get = paired(nbytes, repeat, raw_get, get_many)
+    assert store.available and store.get_many([n - 1]) == [payloads[(n - 1) % DISTINCT]]
+    client.flushall()
+    client.close()
+    store.close()
+    return {
+        "redis_raw_set_GBps": raw_set_gbps,
+        "redis_raw_get_GBps": raw_get_gbps,
+        "redis_put_many_GBps": put,
+        "redis_get_many_GBps": get,
+    }
+
+
+@contextmanager
+def redis_url(given: str | None, workdir: Path) -> Iterator[str]:
+    if given is not None:
+        yield given
+        return
+    from tests.servers import redis_server
+
+    with redis_server(workdir) as url:
+        yield url
+
+
+RATIOS = {  # name: (store, raw)
+    "host_put": ("host_put_GBps", "memcpy_GBps"),
+    "host_get": ("host_get_GBps", "memcpy_out_GBps"),
+    "disk_put": ("disk_put_GBps", "disk_raw_write_GBps"),
+    "disk_get": ("disk_get_GBps", "disk_raw_read_GBps"),
+    "redis_put": ("redis_put_many_GBps", "redis_raw_set_GBps"),
+    "redis_get": ("redis_get_many_GBps", "redis_raw_get_GBps"),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--block-bytes", type=int, default=64 * 1024, help=f"SmolLM2-135M's is {SMOLLM2_BLOCK}"
+    )
+    parser.add_argument("--mib", type=int, default=256, help="bytes moved per pass of each measurement")
+    parser.add_argument("--batch", type=int, default=32, help="blocks per Redis pipeline")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--redis-url", help="an existing Redis (it is FLUSHALLed); default: start one")
+    parser.add_argument(
+        "--dir", type=Path, default=Path(tempfile.gettempdir()), help="where the slab files go"
+    )
+    args = parser.parse_args()
+
+    size: int = args.block_bytes
+    n = max(1, args.mib * 2**20 // size)
+    payloads = [os.urandom(size) for _ in range(DISTINCT)]
+    figures: dict[str, float | int | bool] = {"block_bytes": size, "blocks": n}
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp, redis_url(args.redis_url, Path(tmp)) as url:
+        figures |= host_tier(payloads, n, args.repeat)
+        figures |= disk_tier(Path(tmp), payloads, n, args.repeat)
+        figures |= redis_tier(url, payloads, n, args.batch, args.repeat)
+    for name, (store, raw) in RATIOS.items():
+        figures[f"ratio_{name}"] = figures[store] / figures[raw]
+    rounded = {k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}
+
+    io = "O_DIRECT" if figures["disk_direct"] else "buffered"
+    print(f"block {size} bytes, {n} blocks per pass, disk {io}")
+    print(f"{'':<10}{'raw':>20}{'GB/s':>8}{'store':>20}{'GB/s':>8}{'store/raw':>11}")
+    for name, (store, raw) in RATIOS.items():
+        print(
+            f"{name:<10}{raw.removesuffix('_GBps'):>20}{rounded[raw]:>8}"
+            f"{store.removesuffix('_GBps'):>20}{rounded[store]:>8}{rounded[f'ratio_{name}']:>11}"
+        )
+    print(json.dumps(rounded))
+
+
+if __name__ == "__main__":
+    main()

@@ -67,30 +67,29 @@ class DiskStore:
         self._buffer = mmap.mmap(-1, self.slot_bytes)
         self._view = memoryview(self._buffer)
         directory.mkdir(parents=True, exist_ok=True)
-        self._fd, self.direct = self._open(o_direct)
-        self._preallocate()
         self._slots: OrderedDict[int, int] = OrderedDict()  # seq_hash -> slot, LRU first
         self._free: list[int] = []
-        self._scan()
+        self._fd, self.direct = self._open(o_direct)
+        self._preallocate()
+        try:
+            self._scan()
+        except OSError as e:
+            # Some filesystems take the flag at open and refuse the I/O: the scan is the probe.
+            if not self.direct or e.errno != errno.EINVAL:
+                raise
+            os.close(self._fd)
+            self._fd, self.direct = self._open(False)
+            self._scan()
 
     def _open(self, o_direct: bool) -> tuple[int, bool]:
         flags = os.O_RDWR | os.O_CREAT
         if o_direct:
             try:
-                fd = os.open(self.path, flags | os.O_DIRECT, 0o644)
+                return os.open(self.path, flags | os.O_DIRECT, 0o644), True
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
-            else:
-                # Some filesystems accept the flag at open and refuse the I/O: probe one read.
-                try:
-                    os.preadv(fd, [self._view[:ALIGN]], 0)
-                    return fd, True
-                except OSError as e:
-                    os.close(fd)
-                    if e.errno != errno.EINVAL:
-                        raise
-            log.info("%s: O_DIRECT refused by the filesystem, using buffered I/O", self.path)
+                log.info("%s: O_DIRECT refused by the filesystem, using buffered I/O", self.path)
         return os.open(self.path, flags, 0o644), False
 
     def _preallocate(self) -> None:
@@ -107,6 +106,8 @@ class DiskStore:
     def _scan(self) -> None:
         """Rebuild the index from the slots' headers; a slot whose header does not name a
         block of this layout and size (or names one already found) is free."""
+        self._slots.clear()
+        self._free.clear()
         header = self._view[:ALIGN]
         for slot in range(self.capacity_blocks):
             got = os.preadv(self._fd, [header], slot * self.slot_bytes)

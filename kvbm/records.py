@@ -14,7 +14,9 @@ import struct
 import xxhash
 
 MAGIC = b"WEIRKV01"
-# magic, seq_hash, layout_id, payload checksum (xxh3-64), payload length
+# magic, seq_hash, layout_id, checksum, payload length. The checksum is xxh3-64 of the payload
+# seeded with the hash and layout, so a flipped bit in either header field fails it too (a disk
+# store rebuilds its index from these headers).
 HEADER = struct.Struct("<8sQQQI")
 HEADER_BYTES = HEADER.size
 
@@ -25,8 +27,12 @@ def layout_id(*parts: object) -> int:
     return xxhash.xxh3_64_intdigest(repr(parts).encode())
 
 
+def _checksum(seq_hash: int, layout: int, payload: bytes | memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(payload, seed=seq_hash ^ layout)
+
+
 def encode(seq_hash: int, layout: int, payload: bytes | memoryview) -> bytes:
-    checksum = xxhash.xxh3_64_intdigest(payload)
+    checksum = _checksum(seq_hash, layout, payload)
     return HEADER.pack(MAGIC, seq_hash, layout, checksum, len(payload)) + payload
 
 
@@ -38,6 +44,6 @@ def decode(record: bytes | memoryview, seq_hash: int, layout: int) -> bytes | No
     if magic != MAGIC or stored_hash != seq_hash or stored_layout != layout:
         return None
     payload = record[HEADER_BYTES : HEADER_BYTES + length]
-    if len(payload) != length or xxhash.xxh3_64_intdigest(payload) != checksum:
+    if len(payload) != length or _checksum(seq_hash, layout, payload) != checksum:
         return None
     return bytes(payload)

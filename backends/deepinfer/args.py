@@ -65,6 +65,20 @@ def add_deepinfer_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     g.add_argument("--seed", type=int, default=d.seed, help="seed for unseeded sampling")
+    t = parser.add_argument_group("KV tiers below the engine's cache (kvbm)")
+    t.add_argument(
+        "--host-cache-gb",
+        type=float,
+        default=d.host_cache_gb,
+        help="G2: host memory for KV blocks offloaded from the engine (default 0: no tiers)",
+    )
+    t.add_argument("--disk-cache-dir", default=None, help="G3: a directory for a slab file of KV blocks")
+    t.add_argument("--disk-cache-gb", type=float, default=d.disk_cache_gb, help="G3: its size")
+    t.add_argument(
+        "--redis-url",
+        default=None,
+        help="G4: a Redis shared by every worker of the model, e.g. redis://kv-cache:6379/0",
+    )
 
 
 def deepinfer_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -91,4 +105,8 @@ def deepinfer_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         deterministic=args.deterministic,
         seed=args.seed,
+        host_cache_gb=args.host_cache_gb,
+        disk_cache_dir=args.disk_cache_dir,
+        disk_cache_gb=args.disk_cache_gb,
+        redis_url=args.redis_url,
     )

@@ -21,6 +21,12 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     deterministic: bool = False  # batch-invariant numerics: a seeded request ignores its batch
     seed: int = 0
+    # KV tiers below the device cache (kvbm; kv_tiers.py). Host memory is the first of them:
+    # 0 turns every tier off.
+    host_cache_gb: float = 0.0
+    disk_cache_dir: str | None = None
+    disk_cache_gb: float = 0.0
+    redis_url: str | None = None  # shared by every worker of the model
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -31,3 +37,11 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.num_kv_blocks < 0:
             raise ValueError(f"num_kv_blocks must be >= 0, got {self.num_kv_blocks}")
+        if self.host_cache_gb < 0 or self.disk_cache_gb < 0:
+            raise ValueError("host_cache_gb and disk_cache_gb must be >= 0")
+        if (self.disk_cache_dir or self.redis_url) and not self.host_cache_gb:
+            raise ValueError("the disk and Redis KV tiers sit below the host tier: set host_cache_gb too")
+        if self.disk_cache_dir and not self.disk_cache_gb:
+            raise ValueError("disk_cache_dir needs disk_cache_gb")
+        if not self.enable_prefix_caching and self.host_cache_gb:
+            raise ValueError("KV tiers hold prefix-cached blocks: they need prefix caching on")

@@ -22,6 +22,8 @@ from tokenizers import Tokenizer
 
 from backends.deepinfer.config import EngineConfig
 from backends.deepinfer.guided import Grammar, GuidedDecoding
+from backends.deepinfer.kv_cache import PagedKVCache
+from backends.deepinfer.kv_tiers import build_tiers
 from backends.deepinfer.outputs import SampledToken, SchedulerOutput, SeqOutput
 from backends.deepinfer.sampler import Sampler, validate_request
 from backends.deepinfer.scheduler import Scheduler
@@ -37,6 +39,7 @@ class Runner(Protocol):
     max_model_len: int
     num_kv_blocks: int
     kv_bytes_per_token: int
+    kv_cache: PagedKVCache  # used only with KV tiers
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """float32 logits, one row per chunk with `sample=True`, in chunk order."""
@@ -57,7 +60,10 @@ class Engine:
             self.model_dir, Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         )
         self.max_model_len = self.runner.max_model_len
-        self.scheduler = Scheduler(config, self.runner.num_kv_blocks, self.eos_token_ids, self.max_model_len)
+        self.tiers = build_tiers(config, self.runner.kv_cache) if config.host_cache_gb else None
+        self.scheduler = Scheduler(
+            config, self.runner.num_kv_blocks, self.eos_token_ids, self.max_model_len, self.tiers
+        )
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, config.seed, config.deterministic)
         self.lock = threading.Lock()
         self._guided: GuidedDecoding | None = None  # built on first use: a 49k vocab takes ~0.2 s
@@ -129,7 +135,9 @@ class Engine:
             return self.postprocess(out, sampled)
 
     def run(self, out: SchedulerOutput) -> list[SampledToken]:
-        """Forward, grammar mask and sampling for the chunks that sample."""
+        """Onboarded KV in, forward, grammar mask and sampling for the chunks that sample."""
+        if out.loads:
+            self.runner.kv_cache.write_blocks([b.block_id for b in out.loads], [b.payload for b in out.loads])
         logits = self.runner.execute(out)
         seqs = [c.seq for c in out.chunks if c.sample]
         if not seqs:
@@ -140,6 +148,8 @@ class Engine:
 
     def postprocess(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[SeqOutput]:
         outputs = self.scheduler.postprocess(out, sampled)
+        if self.tiers is not None:
+            self._offload()
         if self._guided is not None:
             self._advance_grammars(outputs)
         for o in outputs:
@@ -150,6 +160,15 @@ class Engine:
         self._release_after_step.clear()
         self._in_flight = set()
         return outputs
+
+    def _offload(self) -> None:
+        """Write the blocks this step completed through to the tiers. Under the lock with the
+        rest of postprocess: nothing can reuse those blocks before the next schedule()."""
+        saves = self.scheduler.kv_cache.take_saves()
+        if saves:
+            assert self.tiers is not None
+            payloads = self.runner.kv_cache.read_blocks([block_id for block_id, _ in saves])
+            self.tiers.offload(zip((seq_hash for _, seq_hash in saves), payloads, strict=True))
 
     def _advance_grammars(self, outputs: list[SeqOutput]) -> None:
         guided = self.guided

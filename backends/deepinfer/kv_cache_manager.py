@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from backends.deepinfer.block_pool import Block, BlockPool
+from backends.deepinfer.outputs import BlockLoad
 from backends.deepinfer.sequence import Sequence
 from kvbm.tiered import Fetched, TieredStore
 from orchestrator.runtime.hashing import block_hashes
@@ -57,7 +58,7 @@ class KVCacheManager:
         self._events: list[KvEvent] = []  # not yet sealed into a batch
         self._batches: list[KvEventBatch] = []
         self._event_id = 0
-        self._loads: list[tuple[int, bytes]] = []  # (block_id, payload) to write before the forward
+        self._loads: list[BlockLoad] = []  # to write into the device before the next forward
         self._saves: list[tuple[int, int]] = []  # (block_id, seq_hash) to write through after it
 
     # ------------------------------------------------------------------ counters
@@ -132,11 +133,11 @@ class KVCacheManager:
         if not prefix.loads:
             return
         parent = seq.block_hashes[len(prefix.blocks) - 1] if prefix.blocks else None
-        for seq_hash, _, payload in prefix.loads:
+        for seq_hash, tier, payload in prefix.loads:
             block = self._take_free()
             self.pool.cache(block, seq_hash)
             seq.block_table.append(block.block_id)
-            self._loads.append((block.block_id, payload))
+            self._loads.append(BlockLoad(block.block_id, tier, payload))
         hashes = [seq_hash for seq_hash, _, _ in prefix.loads]
         self._events.append(BlockStored(blocks=hashes, parent_seq_hash=parent))
         assert self.tiers is not None
@@ -190,8 +191,8 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ block moves
 
-    def take_loads(self) -> list[tuple[int, bytes]]:
-        """(block_id, payload) to write into the device before the next forward."""
+    def take_loads(self) -> list[BlockLoad]:
+        """The blocks to write into the device before the next forward."""
         loads, self._loads = self._loads, []
         return loads
 

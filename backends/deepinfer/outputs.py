@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from backends.deepinfer.sequence import Sequence
+from orchestrator.runtime.protocol import Tier
+
+
+class BlockLoad(NamedTuple):
+    """A prefix block onboarded from a lower KV tier into device block `block_id`."""
+
+    block_id: int
+    tier: Tier
+    payload: bytes  # empty in the mocker, which moves no bytes
 
 
 @dataclass(slots=True)
@@ -24,9 +34,9 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting, blocks freed
-    # (block_id, payload) of prefix blocks onboarded from lower KV tiers: the runner writes
-    # them into the device cache before the forward, which is the first thing to read them.
-    loads: list[tuple[int, bytes]] = field(default_factory=list)
+    # Prefix blocks onboarded from lower KV tiers: the runner writes them into the device
+    # cache before the forward, which is the first thing to read them.
+    loads: list[BlockLoad] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -23,6 +23,9 @@ _FLAGS: dict[str, str] = {
     "context_length": "context length in the model card",
     "output_length_mean": "mean output length, EOS included, of a request without ignore_eos",
     "output_length_sigma": "sigma of the lognormal output length",
+    "host_cache_blocks": "simulated G2 host-memory KV tier, in blocks (kvbm; 0: none)",
+    "disk_cache_blocks": "simulated G3 disk KV tier below it, in blocks (0: none)",
+    "kv_bytes_per_token": "KV bytes per token, for the time a tier takes to load a block",
 }
 # Fields `backends.registry` takes from the model directory when the flag is not given.
 _FROM_MODEL: dict[str, str] = {

@@ -32,6 +32,16 @@ class MockerConfig:
     output_length_distribution: OutputLengthDistribution = "lognormal"
     output_length_sigma: float = 0.7  # lognormal's sigma: median = mean * exp(-sigma^2 / 2)
     eos_token_ids: list[int] = field(default_factory=lambda: [0])
+    # KV tiers below the simulated device (kvbm): blocks per tier, 0 for none. Onboarding a
+    # block costs its bytes over the tier's bandwidth, added to the step that loads it; the
+    # write-through offload overlaps compute, as it does in a real engine, and costs nothing.
+    host_cache_blocks: int = 0
+    disk_cache_blocks: int = 0
+    # Llama-3-8B in bf16: 32 layers x 2 x 8 KV heads x 128 x 2 bytes per token.
+    kv_bytes_per_token: int = 131_072
+    host_bandwidth_gbps: float = 25.0  # host -> device copies (PCIe 4.0 x16, pinned)
+    disk_bandwidth_gbps: float = 5.0  # one local NVMe drive
+    remote_bandwidth_gbps: float = 12.5  # a shared store over 100 Gb/s networking
 
     def __post_init__(self) -> None:
         if not self.speedup > 0:
@@ -40,6 +50,14 @@ class MockerConfig:
             raise ValueError(f"vocab_size must be positive, got {self.vocab_size}")
         if self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.host_cache_blocks < 0 or self.disk_cache_blocks < 0:
+            raise ValueError("host_cache_blocks and disk_cache_blocks must not be negative")
+        if self.disk_cache_blocks and not self.host_cache_blocks:
+            raise ValueError("a disk tier needs a host tier above it (host_cache_blocks)")
+        if not (
+            self.host_bandwidth_gbps > 0 and self.disk_bandwidth_gbps > 0 and self.remote_bandwidth_gbps > 0
+        ):
+            raise ValueError("tier bandwidths must be positive")
         if self.context_length <= 0:
             raise ValueError(f"context_length must be positive, got {self.context_length}")
         if not self.output_length_mean >= 1:

@@ -23,6 +23,8 @@ from backends.deepinfer.outputs import SampledToken
 from backends.deepinfer.scheduler import Scheduler
 from backends.deepinfer.sequence import Sequence
 from backends.mocker.config import MockerConfig
+from kvbm.stores import HostStore, KvStore
+from kvbm.tiered import TieredStore
 from orchestrator.runtime.protocol import (
     FinishReason,
     KvEventBatch,
@@ -52,7 +54,9 @@ class StepResult:
 
 
 class MockerCore:
-    def __init__(self, config: MockerConfig) -> None:
+    def __init__(self, config: MockerConfig, shared: KvStore | None = None) -> None:
+        """`shared`: a remote tier (G4) shared with other cores, as one Redis is by a model's
+        workers; it needs `host_cache_blocks` (the host tier above it)."""
         self.config = config
         engine_config = EngineConfig(
             block_size=config.block_size,
@@ -63,10 +67,17 @@ class MockerCore:
             enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
+        self.tiers = _tiers(config, shared)
         # The scheduler applies EOS as DeepInfer's does (min_tokens, ignore_eos, finish "stop").
-        self.scheduler = Scheduler(engine_config, config.num_blocks, config.eos_token_ids)
+        self.scheduler = Scheduler(engine_config, config.num_blocks, config.eos_token_ids, tiers=self.tiers)
         self.kv_cache = self.scheduler.kv_cache
         self.timing = config.timing
+        block_bytes = config.kv_bytes_per_token * config.block_size
+        self._load_ms: dict[str, float] = {
+            "host": block_bytes / (config.host_bandwidth_gbps * 1e6),
+            "disk": block_bytes / (config.disk_bandwidth_gbps * 1e6),
+            "remote": block_bytes / (config.remote_bandwidth_gbps * 1e6),
+        }
         self.clock_ms = 0.0  # simulated time spent in steps so far
         self._eos = config.eos_token_ids[0]
         self._eos_ids = frozenset(config.eos_token_ids)
@@ -143,9 +154,13 @@ class MockerCore:
                         token = (token + 1) % vocab_size
                 sampled.append(SampledToken(token))
         duration = self.timing.step_ms(prefill_tokens, decoding, self.kv_cache.usage)
+        duration += sum(self._load_ms[load.tier] for load in out.loads)
         self.clock_ms += duration
         outputs: list[RequestOutput] = []
-        for result in self.scheduler.postprocess(out, sampled):
+        results = self.scheduler.postprocess(out, sampled)
+        if self.tiers is not None:
+            self.tiers.offload((seq_hash, b"") for _, seq_hash in self.kv_cache.take_saves())
+        for result in results:
             seq = result.seq
             token_ids = seq.token_ids[-len(result.new_tokens) :]
             if result.finished:
@@ -166,6 +181,16 @@ class MockerCore:
 
     def kv_snapshot(self) -> KvSnapshot:
         return self.kv_cache.snapshot()
+
+
+def _tiers(config: MockerConfig, shared: KvStore | None) -> TieredStore | None:
+    """Simulated tiers: the real policy (kvbm.TieredStore) over stores that keep hashes only."""
+    if not config.host_cache_blocks:
+        if shared is not None:
+            raise ValueError("a shared tier needs a host tier above it (host_cache_blocks)")
+        return None
+    disk = HostStore(config.disk_cache_blocks, 0, tier="disk") if config.disk_cache_blocks else None
+    return TieredStore(HostStore(config.host_cache_blocks, 0), disk=disk, remote=shared)
 
 
 def _token(seed: int, position: int, vocab_size: int) -> int:

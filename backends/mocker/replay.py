@@ -22,6 +22,7 @@ from msgspec.structs import replace
 
 from backends.mocker.config import MockerConfig
 from backends.mocker.core import MockerCore, StepResult
+from kvbm.stores import HostStore
 from orchestrator.runtime.hashing import block_hashes
 from orchestrator.runtime.protocol import KvEventBatch, WorkerRequest
 from router.protocols import RouteRequest
@@ -57,6 +58,7 @@ class OfflineReplay:
         tokens: TraceTokens,
         kv_event_delay_ms: float = 0.0,
         clock: VirtualClock | None = None,
+        shared_cache_blocks: int = 0,
     ) -> None:
         if num_workers <= 0:
             raise ValueError("num_workers must be positive")
@@ -65,7 +67,9 @@ class OfflineReplay:
         self.tokens = tokens
         self.kv_event_delay_ms = kv_event_delay_ms
         self.clock = clock or VirtualClock()
-        self.workers = [_Worker(f"mocker-{i}", MockerCore(config)) for i in range(num_workers)]
+        # One G4 for all workers, as one Redis serves a model's workers.
+        shared = HostStore(shared_cache_blocks, 0, tier="remote") if shared_cache_blocks else None
+        self.workers = [_Worker(f"mocker-{i}", MockerCore(config, shared)) for i in range(num_workers)]
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = count()
         self._by_id = {w.worker_id: w for w in self.workers}

@@ -53,6 +53,21 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-blocks", type=int, default=16_384, help="offline: KV blocks per mocker worker (default 16384)"
     )
+    tiers = parser.add_argument_group("offline: KV tiers below each mocker's device cache (kvbm)")
+    tiers.add_argument(
+        "--host-cache-blocks", type=int, default=0, help="G2 host blocks per worker (default 0)"
+    )
+    tiers.add_argument(
+        "--disk-cache-blocks", type=int, default=0, help="G3 disk blocks per worker (default 0)"
+    )
+    tiers.add_argument(
+        "--shared-cache-blocks", type=int, default=0, help="G4 blocks shared by all workers (default 0)"
+    )
+    tiers.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        help="KV bytes per token, for the time a block takes to load (default 131072: Llama-3-8B in bf16)",
+    )
     parser.add_argument(
         "--trace-block-size", type=int, default=512, help="tokens per trace hash id (default 512)"
     )
@@ -134,6 +149,12 @@ def _offline(
         block_size=args.block_size,
         vocab_size=args.vocab_size,
         context_length=max(longest, MockerConfig().context_length),
+        host_cache_blocks=args.host_cache_blocks,
+        disk_cache_blocks=args.disk_cache_blocks,
     )
-    replay = OfflineReplay(router, config, args.workers, tokens, args.kv_event_delay_ms, clock)
+    if args.kv_bytes_per_token is not None:
+        config.kv_bytes_per_token = args.kv_bytes_per_token
+    replay = OfflineReplay(
+        router, config, args.workers, tokens, args.kv_event_delay_ms, clock, args.shared_cache_blocks
+    )
     return replay.run(trace, on_finish)

@@ -1,0 +1,36 @@
+"""The KV tiers a DeepInfer engine was configured with, sized in blocks of its own cache.
+
+Blocks are keyed by a layout id made of the served model's name and the cache's layout
+(dtype, block size, every layer's per-block shape), so two workers of one model share G4
+blocks and a worker of another model, or of the same model in another dtype, never loads them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from backends.deepinfer.config import EngineConfig
+from backends.deepinfer.kv_cache import PagedKVCache
+from kvbm import records
+from kvbm.disk import DiskStore
+from kvbm.redis_store import RedisStore
+from kvbm.stores import HostStore
+from kvbm.tiered import TieredStore
+
+
+def build_tiers(config: EngineConfig, cache: PagedKVCache) -> TieredStore | None:
+    if not config.host_cache_gb:
+        return None
+    block_bytes = cache.block_bytes
+    layout = records.layout_id(config.served_model_name or Path(config.model).name, cache.layout)
+    host_blocks = int(config.host_cache_gb * 2**30) // block_bytes
+    if host_blocks < 1:
+        raise ValueError(f"host_cache_gb={config.host_cache_gb} holds no KV block of {block_bytes} bytes")
+    disk = None
+    if config.disk_cache_dir:
+        disk_blocks = int(config.disk_cache_gb * 2**30) // (records.HEADER_BYTES + block_bytes)
+        if disk_blocks < 1:
+            raise ValueError(f"disk_cache_gb={config.disk_cache_gb} holds no KV block of {block_bytes} bytes")
+        disk = DiskStore(Path(config.disk_cache_dir), disk_blocks, block_bytes, layout)
+    remote = RedisStore(config.redis_url, layout, block_bytes) if config.redis_url else None
+    return TieredStore(HostStore(host_blocks, block_bytes), disk=disk, remote=remote)

@@ -26,6 +26,9 @@ class EngineConfig:
     host_cache_gb: float = 0.0
     disk_cache_dir: str | None = None
     disk_cache_gb: float = 0.0
+    # A block evicted from host memory goes to disk only once it has been loaded back this
+    # often: disk writes are the scarcest bandwidth, and most blocks are never reused.
+    disk_cache_min_reuse: int = 1
     redis_url: str | None = None  # shared by every worker of the model
 
     def __post_init__(self) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from backends.deepinfer.config import EngineConfig
 from backends.deepinfer.kv_cache import PagedKVCache
 from kvbm import records
-from kvbm.disk import DiskStore
+from kvbm.disk import DiskStore, slot_bytes
 from kvbm.redis_store import RedisStore
 from kvbm.stores import HostStore
 from kvbm.tiered import TieredStore
@@ -28,9 +28,10 @@ def build_tiers(config: EngineConfig, cache: PagedKVCache) -> TieredStore | None
         raise ValueError(f"host_cache_gb={config.host_cache_gb} holds no KV block of {block_bytes} bytes")
     disk = None
     if config.disk_cache_dir:
-        disk_blocks = int(config.disk_cache_gb * 2**30) // (records.HEADER_BYTES + block_bytes)
+        disk_blocks = int(config.disk_cache_gb * 2**30) // slot_bytes(block_bytes)
         if disk_blocks < 1:
             raise ValueError(f"disk_cache_gb={config.disk_cache_gb} holds no KV block of {block_bytes} bytes")
         disk = DiskStore(Path(config.disk_cache_dir), disk_blocks, block_bytes, layout)
     remote = RedisStore(config.redis_url, layout, block_bytes) if config.redis_url else None
-    return TieredStore(HostStore(host_blocks, block_bytes), disk=disk, remote=remote)
+    host = HostStore(host_blocks, block_bytes)
+    return TieredStore(host, disk=disk, remote=remote, disk_min_reuse=config.disk_cache_min_reuse)

@@ -1,0 +1,125 @@
+"""DeepInfer with KV tiers (kvbm), on a real tiny Llama: a prefix evicted from the engine's
+own cache comes back from host memory, disk or a shared Redis, reported as cached tokens and
+giving token-identical greedy output; a damaged block is recomputed, never served."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backends.deepinfer.engine import Engine
+from kvbm import metrics
+from kvbm.disk import DiskStore
+from tests.deepinfer.test_engine import make_engine, prompt, request, run
+from tests.servers import redis_server
+
+BLOCK = 16
+# 8 device blocks: one 64-token prompt and its output fill half, so two other prompts evict it.
+DEVICE_BLOCKS = 8
+
+
+def _engine(model_dir: Path, **tiers: Any) -> Engine:
+    return make_engine(model_dir, block_size=BLOCK, num_kv_blocks=DEVICE_BLOCKS, **tiers)
+
+
+def _block_gb(engine: Engine, blocks: int) -> float:
+    return blocks * engine.runner.kv_cache.block_bytes / 2**30
+
+
+def _evict(engine: Engine, rng: random.Random) -> None:
+    """Two unrelated prompts, each as long as the device cache allows: the first prompt's
+    blocks leave the device."""
+    run(engine, [request("evict-1", prompt(rng, 64))])
+    run(engine, [request("evict-2", prompt(rng, 64))])
+
+
+def _onboarded(tier: str) -> float:
+    return metrics.ONBOARD_BLOCKS.labels(tier)._value.get()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir: Path) -> dict[str, Any]:
+    """The same prompt on an engine without tiers: what every tiered run must reproduce, and
+    proof that the eviction really empties the device cache (no cached tokens the second time)."""
+    engine = _engine(tiny_llama_dir)
+    rng = random.Random(7)
+    tokens = prompt(rng, 64)
+    first = run(engine, [request("a", tokens)])["a"]
+    _evict(engine, rng)
+    again = run(engine, [request("a2", tokens)])["a2"]
+    assert again.seq.num_cached_tokens == 0
+    assert again.seq.token_ids == first.seq.token_ids
+    return {"tokens": tokens, "output": first.seq.token_ids}
+
+
+def test_an_evicted_prefix_comes_back_from_host_memory(
+    tiny_llama_dir: Path, reference: dict[str, Any]
+) -> None:
+    probe = _engine(tiny_llama_dir)
+    engine = _engine(tiny_llama_dir, host_cache_gb=_block_gb(probe, 64))
+    rng = random.Random(7)
+    tokens = reference["tokens"]
+    assert tokens == prompt(rng, 64)
+    run(engine, [request("a", tokens)])
+    _evict(engine, rng)
+    before = _onboarded("host")
+    again = run(engine, [request("a2", tokens)])["a2"]
+    assert again.seq.num_cached_tokens == 48  # three full blocks; the last token is computed
+    assert _onboarded("host") - before == 3
+    assert again.seq.token_ids == reference["output"]
+
+
+def test_disk_serves_what_host_memory_dropped_and_a_flipped_byte_is_recomputed(
+    tiny_llama_dir: Path, reference: dict[str, Any], tmp_path: Path
+) -> None:
+    probe = _engine(tiny_llama_dir)
+    tiers = {
+        "host_cache_gb": _block_gb(probe, 2),  # host keeps two blocks: the rest falls to disk
+        "disk_cache_dir": str(tmp_path),
+        "disk_cache_gb": _block_gb(probe, 64) * 1.1,
+        "disk_cache_min_reuse": 0,  # every block host memory drops goes to disk
+    }
+    engine = _engine(tiny_llama_dir, **tiers)
+    rng = random.Random(7)
+    tokens = prompt(rng, 64)
+    run(engine, [request("a", tokens)])
+    _evict(engine, rng)
+    before = _onboarded("disk")
+    again = run(engine, [request("a2", tokens)])["a2"]
+    assert again.seq.num_cached_tokens == 48
+    assert _onboarded("disk") - before >= 1
+    assert again.seq.token_ids == reference["output"]
+
+    # Damage every block on disk (one byte in each slot's payload), push the prompt out of the
+    # device and host memory again, and ask once more: nothing damaged is served.
+    assert engine.tiers is not None and isinstance(engine.tiers.disk, DiskStore)
+    slab, slot_bytes = engine.tiers.disk.path, engine.tiers.disk.slot_bytes
+    data = bytearray(slab.read_bytes())
+    for slot in range(len(data) // slot_bytes):
+        data[slot * slot_bytes + slot_bytes // 2] ^= 0xFF
+    slab.write_bytes(bytes(data))
+    _evict(engine, rng)
+    errors = metrics.ERRORS.labels("disk")._value.get()
+    last = run(engine, [request("a3", tokens)])["a3"]
+    assert last.seq.token_ids == reference["output"]
+    assert metrics.ERRORS.labels("disk")._value.get() > errors
+    assert last.seq.num_cached_tokens < 48
+
+
+def test_two_workers_share_blocks_through_redis(
+    tiny_llama_dir: Path, reference: dict[str, Any], tmp_path: Path
+) -> None:
+    with redis_server(tmp_path) as url:
+        probe = _engine(tiny_llama_dir)
+        tiers = {"host_cache_gb": _block_gb(probe, 64), "redis_url": url}
+        worker_a, worker_b = _engine(tiny_llama_dir, **tiers), _engine(tiny_llama_dir, **tiers)
+        tokens = reference["tokens"]
+        run(worker_a, [request("a", tokens)])
+        before = _onboarded("remote")
+        served = run(worker_b, [request("b", tokens)])["b"]  # B never saw the prompt
+        assert served.seq.num_cached_tokens == 48
+        assert _onboarded("remote") - before == 3
+        assert served.seq.token_ids == reference["output"]

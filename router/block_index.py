@@ -97,6 +97,15 @@ class BlockIndex:
 
     def store(self, worker_id: str, blocks: Collection[int], tier: Tier = "device") -> None:
         self.add_worker(worker_id)
+        if tier == "remote":
+            # One remote store serves every worker of the model: a block any of them put
+            # there, each of them can load.
+            for other in list(self._workers):
+                self._store(other, blocks, tier)
+            return
+        self._store(worker_id, blocks, tier)
+
+    def _store(self, worker_id: str, blocks: Collection[int], tier: Tier) -> None:
         worker = self._workers[worker_id]
         if tier == "device" and worker.lower_count == 0:
             bit = 1 << worker.slot
@@ -114,6 +123,13 @@ class BlockIndex:
             self._refresh(worker, seq_hash)
 
     def remove(self, worker_id: str, blocks: Collection[int], tier: Tier = "device") -> None:
+        if tier == "remote":  # gone from the shared store: gone for every worker
+            for other in list(self._workers):
+                self._remove(other, blocks, tier)
+            return
+        self._remove(worker_id, blocks, tier)
+
+    def _remove(self, worker_id: str, blocks: Collection[int], tier: Tier) -> None:
         worker = self._workers.get(worker_id)
         if worker is None:
             return

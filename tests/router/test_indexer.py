@@ -50,6 +50,19 @@ def test_lower_tiers_are_counted_apart() -> None:
     assert index.find_matches([1, 2, 3]).lower == {}
 
 
+def test_a_remote_block_counts_for_every_worker_of_the_model() -> None:
+    # G4 is one store shared by the model's workers: any of them can load what one put there.
+    index = BlockIndex()
+    index.store("a", [1, 2])
+    index.store("b", [9])
+    index.store("a", [1, 2, 3], "remote")
+    matches = index.find_matches([1, 2, 3])
+    assert matches.blocks == {"a": 3, "b": 3}
+    assert matches.lower == {"a": 1, "b": 3}  # a holds 1 and 2 on its device
+    index.remove("b", [3], "remote")  # gone from the shared store: gone for both
+    assert index.find_matches([1, 2, 3]).blocks == {"a": 2, "b": 2}
+
+
 def test_removed_worker_leaves_nothing_behind_and_its_slot_is_reused_cleanly() -> None:
     index = BlockIndex()
     index.store("a", [1, 2, 3])

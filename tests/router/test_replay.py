@@ -93,6 +93,24 @@ def test_offline_replay_of_a_trace_slice_kv_beats_round_robin(
         assert isinstance(kv[key], float)
 
 
+def test_offline_replay_with_kv_tiers_caches_more_and_answers_sooner(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Device caches too small for the slice's reuse: a host tier per worker keeps what they
+    # evict, and a shared tier serves one worker's prefixes to the others.
+    # (One request of the slice needs more KV than such a worker holds: it fails in every run.)
+    common = [str(SHARED_TRACE), "--workers", "4", "--max-requests", "300", "--num-blocks", "2048"]
+    device, _ = replay_json(capsys, *common)
+    host, _ = replay_json(capsys, *common, "--host-cache-blocks", "8192")
+    shared, _ = replay_json(capsys, *common, "--host-cache-blocks", "8192", "--shared-cache-blocks", "65536")
+    assert device["completed"] == host["completed"] == shared["completed"] == 299
+    assert device["hit_rate"] < host["hit_rate"] < shared["hit_rate"]
+    assert host["ttft_mean_ms"] < device["ttft_mean_ms"]
+    # Loads are not free: the same tier at a 76th of the bandwidth makes requests wait.
+    slow, _ = replay_json(capsys, *common, "--host-cache-blocks", "8192", "--kv-bytes-per-token", "10000000")
+    assert slow["ttft_mean_ms"] > host["ttft_mean_ms"]
+
+
 def test_offline_replay_reports_bad_lines_and_block_size_mismatch(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -199,6 +199,27 @@ def test_frontend_drain_timeout_follows_its_grace_period(helm_bin: str) -> None:
     assert "--drain-timeout=285" in _container(dep)["args"]
 
 
+def test_kv_tiers_become_worker_flags_and_a_disk_volume(helm_bin: str) -> None:
+    tiers = {"hostGb": "4", "diskGb": "20", "redisUrl": "redis://kv:6379/0"}
+    manifests = render(helm_bin, sets={f"poolDefaults.kvTiers.{k}": v for k, v in tiers.items()})
+    dep = one(manifests, "Deployment", "r-weir-pool-agg")
+    container = _container(dep)
+    flags = [
+        "--host-cache-gb=4",
+        "--disk-cache-dir=/kv-disk",
+        "--disk-cache-gb=20",
+        "--redis-url=redis://kv:6379/0",
+    ]
+    assert all(flag in container["args"] for flag in flags), container["args"]
+    assert {"name": "kv-disk", "mountPath": "/kv-disk"} in container["volumeMounts"]
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["kv-disk"]["emptyDir"] == {"sizeLimit": "21Gi"}
+    # Off by default: no flag, no volume.
+    plain = _container(one(render(helm_bin), "Deployment", "r-weir-pool-agg"))
+    assert not any(a.startswith(("--host-cache", "--disk-cache", "--redis")) for a in plain["args"])
+    assert all(m["name"] != "kv-disk" for m in plain["volumeMounts"])
+
+
 def test_a_disruption_budget_per_pool_and_frontend(external: list[Manifest]) -> None:
     budgets = {p["metadata"]["name"]: p for p in find(external, "PodDisruptionBudget")}
     assert set(budgets) == {"prod-weir-frontend", "prod-weir-pool-agg"}

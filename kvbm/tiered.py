@@ -154,6 +154,10 @@ class TieredStore:
             metrics.BLOCKS.labels(store.tier).set(len(store))
         return events
 
+    def capacities(self) -> dict[str, int]:
+        """Blocks each tier can hold, for the model card (0 for a shared remote store)."""
+        return {s.tier: 0 if s is self.remote else s.capacity_blocks for s in self.stores}
+
     def snapshot(self) -> dict[Tier, list[int]]:
         return {store.tier: store.hashes() for store in self.stores}
 

@@ -63,6 +63,7 @@ class DeepInferWorker:
             max_num_seqs=self.config.max_num_seqs,
             eos_token_ids=engine.eos_token_ids,
             vocab_size=engine.vocab_size,
+            kv_tiers=engine.tiers.capacities() if engine.tiers is not None else {},
         )
         self._async = AsyncEngine(engine)
         await self._async.start()

@@ -82,6 +82,7 @@ class MockerEngine:
             max_num_seqs=self.config.max_num_seqs,
             eos_token_ids=list(self.config.eos_token_ids),
             vocab_size=self.config.vocab_size,
+            kv_tiers=self.core.tiers.capacities() if self.core.tiers is not None else {},
         )
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()

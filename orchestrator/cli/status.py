@@ -142,6 +142,7 @@ def _worker_row(worker: Instance, load: LoadReport | None, pods: dict[str, str])
         "model": card.name if card else None,
         "role": card.role if card else None,
         "backend": card.backend if card else None,
+        "kv_tiers": card.kv_tiers if card else {},
         "address": worker.address,
         "state": "draining" if worker.draining or (load is not None and load.draining) else "serving",
         "load": msgspec.to_builtins(load) if load is not None else None,
@@ -159,6 +160,13 @@ def to_json(report: Report) -> dict[str, object]:
         "errors": [{"message": str(e), "exit_code": e.exit_code} for e in report.errors],
         "kubernetes_skipped": report.kubernetes_skipped,
     }
+
+
+def _tiers(tiers: object) -> str:
+    """host:65536,disk:1048576,remote: blocks per tier (a shared remote tier has no count)."""
+    if not isinstance(tiers, dict) or not tiers:
+        return "-"
+    return ",".join(f"{tier}:{blocks}" if blocks else tier for tier, blocks in tiers.items())
 
 
 def to_table(report: Report) -> str:
@@ -198,6 +206,7 @@ def to_table(report: Report) -> str:
                 str(load.get("active_requests", 0)) if load else "-",
                 str(load.get("waiting_requests", 0)) if load else "-",
                 kv,
+                _tiers(w["kv_tiers"]),
             ]
         )
     header = [
@@ -211,6 +220,7 @@ def to_table(report: Report) -> str:
         "ACTIVE",
         "WAITING",
         "KV BLOCKS",
+        "KV TIERS",
     ]
     lines += _columns(header, worker_rows)
     return "\n".join(lines)

@@ -219,6 +219,9 @@ class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     eos_token_ids: list[int] = []
     # Token ids lie in [0, vocab_size); 0: not known, only the u32 range is checked.
     vocab_size: int = 0
+    # KV tiers below the device cache (kvbm): tier -> capacity in blocks (0: unbounded here,
+    # as a shared remote store is). Empty: no tiers.
+    kv_tiers: dict[str, int] = {}
 
 
 class ModelFiles(msgspec.Struct, kw_only=True):

@@ -35,7 +35,9 @@ class Result:
 async def worker(etcd_url: str) -> AsyncIterator[str]:
     """A worker registered in discovery, as `weir worker` would be; its instance id."""
     discovery = make_discovery(etcd_url, WEIR_NS)
-    card = ModelCard(name="mock-model", backend="mocker", total_kv_blocks=16384)
+    card = ModelCard(
+        name="mock-model", backend="mocker", total_kv_blocks=16384, kv_tiers={"host": 65536, "remote": 0}
+    )
     await discovery.register(
         Instance(instance_id="w-1", component="worker", address="10.0.0.7:9000", card=card)
     )
@@ -87,10 +89,12 @@ async def test_without_kubernetes_it_shows_discovery_and_succeeds(
     lines = table.out.splitlines()
     assert lines[0] == "Pools: not shown, Kubernetes not configured (no kubeconfig, not in a pod)"
     assert any(line.startswith(worker) and "10.0.0.7:9000" in line for line in lines)
+    assert any(line.startswith(worker) and line.endswith("host:65536,remote") for line in lines), lines
     listed = await status(no_kubernetes_env, *planes, "-o", "json")
     assert listed.rc == 0
     report = json.loads(listed.out)
     assert [w["instance_id"] for w in report["workers"]] == [worker]
+    assert report["workers"][0]["kv_tiers"] == {"host": 65536, "remote": 0}
     assert (report["pools"], report["errors"]) == ([], [])
     assert report["kubernetes_skipped"] == "not configured (no kubeconfig, not in a pod)"
 

@@ -13,6 +13,9 @@ ONBOARD_BYTES = Counter("weir_kvbm_onboard_bytes", "Bytes loaded from a tier int
 LOOKUPS = Counter("weir_kvbm_lookups", "Prefix blocks looked for in a tier", ["tier"])
 HITS = Counter("weir_kvbm_hits", "Prefix blocks found in a tier", ["tier"])
 ERRORS = Counter("weir_kvbm_errors", "Blocks a tier failed to return intact (served as a miss)", ["tier"])
+SKIPPED = Counter(
+    "weir_kvbm_transfers_skipped", "Offloads to a slow tier dropped because its transfer queue was full"
+)
 BLOCKS = Gauge("weir_kvbm_blocks", "Blocks held in a tier by this process", ["tier"])
 TRANSFER_SECONDS = Histogram(
     "weir_kvbm_transfer_seconds",

@@ -15,6 +15,13 @@ Policy, learned from NVIDIA Dynamo's KVBM and LMCache without copying either:
 - Every store and removal in a tier is a KV event with that tier: the router credits a worker
   for blocks it can load (router/cost.py), and a G4 block for every worker of the model.
 
+- Host memory is read and written on the engine's step thread (a memory copy). With a
+  `TransferEngine`, everything the disk and the remote store do runs on its thread instead:
+  offloads are queued (and skipped when the queue is full), and a prefix that continues on
+  a slow tier is read there while its sequence waits (`Fetch.running`), so a step never
+  waits for a disk or a network. Without one (the mocker, which moves no bytes) they run
+  inline.
+
 A block a tier cannot return intact is a miss (the engine recomputes it), counted in
 `weir_kvbm_errors_total`. Nothing here touches torch: payloads are bytes (none at all in the
 mocker's simulated stores, which keep only hashes).
@@ -22,16 +29,36 @@ mocker's simulated stores, which keep only hashes).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 
 from kvbm import metrics
 from kvbm.stores import HostStore, KvStore
+from kvbm.transfer import TransferEngine
 from orchestrator.runtime.protocol import BlockRemoved, BlockStored, KvEvent, Tier
 
 # One fetched block: (seq_hash, the tier it came from, its payload).
 Fetched = tuple[int, Tier, bytes]
+
+# Blocks one read job takes from the slow tiers; a longer prefix continues in a later job, so
+# a sequence holds at most this many payloads it has not yet been admitted with.
+READ_BATCH_BLOCKS = 64
+
+
+class Fetch:
+    """What the tiers have found of one waiting sequence's prefix: payloads read so far (kept
+    until it is admitted, so a retry reads nothing twice), whether a slow-tier read is still
+    running for it, and whether the slow tiers ran out (a later walk stops there)."""
+
+    __slots__ = ("done", "found", "running")
+
+    def __init__(self) -> None:
+        self.found: dict[int, tuple[Tier, bytes]] = {}
+        self.running = False
+        self.done = False
 
 
 class TieredStore:
@@ -41,43 +68,39 @@ class TieredStore:
         disk: KvStore | None = None,
         remote: KvStore | None = None,
         disk_min_reuse: int = 1,
+        transfer: TransferEngine | None = None,
     ) -> None:
         self.host = host
         self.disk = disk
         self.remote = remote
         self.disk_min_reuse = disk_min_reuse
+        self.transfer = transfer
         self.stores: list[KvStore] = [s for s in (host, disk, remote) if s is not None]
         self.block_bytes = host.block_bytes
         # seq_hash -> times onboarded, for the disk filter; bounded by what the tiers can hold.
         self._reuse: OrderedDict[int, int] = OrderedDict()
         self._reuse_limit = 2 * sum(min(s.capacity_blocks, 1 << 22) for s in self.stores)
         self._events: list[KvEvent] = []
+        self._events_lock = threading.Lock()  # transfer jobs add events too
 
     # ------------------------------------------------------------------ device -> tiers
 
     def offload(self, blocks: Iterable[tuple[int, bytes]]) -> None:
         """Blocks the device just computed, (seq_hash, payload): write-through to G2 (and G4)."""
         started = time.perf_counter()
-        stored: list[int] = []
         fresh: list[tuple[int, bytes]] = []
         for seq_hash, payload in blocks:
             if seq_hash in self.host:
                 continue
             self._make_host_room()
             self.host.put(seq_hash, payload)
-            stored.append(seq_hash)
             fresh.append((seq_hash, payload))
-        if not stored:
+        if not fresh:
             return
-        self._stored("host", stored)
+        self._stored("host", [seq_hash for seq_hash, _ in fresh])
         metrics.TRANSFER_SECONDS.labels("host", "offload").observe(time.perf_counter() - started)
         if self.remote is not None:
-            started = time.perf_counter()
-            for seq_hash, payload in fresh:
-                self.remote.put(seq_hash, payload)
-            if getattr(self.remote, "available", True):
-                self._stored("remote", stored)
-                metrics.TRANSFER_SECONDS.labels("remote", "offload").observe(time.perf_counter() - started)
+            self._slow(partial(self._write_remote, fresh))
 
     def _make_host_room(self) -> None:
         while len(self.host) >= self.host.capacity_blocks:
@@ -85,71 +108,162 @@ class TieredStore:
             if oldest is None:
                 return
             seq_hash, payload = oldest
-            self._events.append(BlockRemoved(seq_hashes=[seq_hash], tier="host"))
-            disk = self.disk
+            self._event(BlockRemoved(seq_hashes=[seq_hash], tier="host"))
             reused = self._reuse.get(seq_hash, 0) >= self.disk_min_reuse
-            if disk is not None and reused and seq_hash not in disk:
-                evicted = disk.put(seq_hash, payload)
-                if evicted:
-                    self._events.append(BlockRemoved(seq_hashes=evicted, tier="disk"))
-                if seq_hash in disk:  # a full disk stores nothing: no event for it
-                    self._stored("disk", [seq_hash])
+            if self.disk is not None and reused and seq_hash not in self.disk:
+                self._slow(partial(self._write_disk, seq_hash, payload))
 
-    def _stored(self, tier: Tier, hashes: list[int]) -> None:
-        self._events.append(BlockStored(blocks=hashes, tier=tier))
-        metrics.OFFLOAD_BLOCKS.labels(tier).inc(len(hashes))
-        metrics.OFFLOAD_BYTES.labels(tier).inc(len(hashes) * self.block_bytes)
+    def _write_disk(self, seq_hash: int, payload: bytes) -> None:
+        disk = self.disk
+        assert disk is not None
+        if seq_hash in disk:
+            return
+        evicted = disk.put(seq_hash, payload)
+        if evicted:
+            self._event(BlockRemoved(seq_hashes=evicted, tier="disk"))
+        if seq_hash in disk:  # a full disk stores nothing: no event for it
+            self._stored("disk", [seq_hash])
+
+    def _write_remote(self, blocks: list[tuple[int, bytes]]) -> None:
+        remote = self.remote
+        assert remote is not None
+        started = time.perf_counter()
+        put_many = getattr(remote, "put_many", None)
+        if put_many is not None:
+            put_many(blocks)
+        else:
+            for seq_hash, payload in blocks:
+                remote.put(seq_hash, payload)
+        if getattr(remote, "available", True):
+            self._stored("remote", [seq_hash for seq_hash, _ in blocks])
+            metrics.TRANSFER_SECONDS.labels("remote", "offload").observe(time.perf_counter() - started)
 
     # ------------------------------------------------------------------ tiers -> device
 
-    def fetch_prefix(self, hashes: Sequence[int], memo: dict[int, tuple[Tier, bytes]]) -> list[Fetched]:
+    def fetch_prefix(self, hashes: Sequence[int], fetch: Fetch) -> tuple[list[Fetched], bool]:
         """The leading blocks of `hashes` some tier holds, with their payloads, up to the first
-        one none does. `memo` keeps what was fetched for a sequence that has to wait for room
-        on the device, so its next attempt reads nothing again."""
+        one none does; and whether the sequence should wait, because a slow tier is reading
+        more of its prefix (started now, or earlier and not finished)."""
         found: list[Fetched] = []
-        for seq_hash in hashes:
-            got = memo.get(seq_hash)
+        for i, seq_hash in enumerate(hashes):
+            got = fetch.found.get(seq_hash) or self._from_host(seq_hash)
             if got is None:
-                got = self._fetch(seq_hash)
-                if got is None:
+                if fetch.running:
+                    return found, True
+                if fetch.done or not self._slow_may_hold(seq_hash):
                     break
-                memo[seq_hash] = got
+                rest = list(hashes[i : i + READ_BATCH_BLOCKS])
+                fetch.running = True
+                if self.transfer is None:
+                    self._read_slow(rest, fetch)
+                    got = fetch.found.get(seq_hash)
+                    if got is None:
+                        break
+                elif self.transfer.submit(partial(self._read_slow, rest, fetch)):
+                    return found, True
+                else:  # the transfer queue is full: this walk ends here
+                    fetch.running = False
+                    break
             found.append((seq_hash, *got))
-        return found
+        return found, False
+
+    def _from_host(self, seq_hash: int) -> tuple[Tier, bytes] | None:
+        metrics.LOOKUPS.labels("host").inc()
+        payload = self.host.get(seq_hash)
+        if payload is None:
+            return None
+        metrics.HITS.labels("host").inc()
+        return "host", payload
+
+    def _slow_may_hold(self, seq_hash: int) -> bool:
+        # The disk's index is local (a dict lookup); the remote store can only be asked.
+        return self.remote is not None or (self.disk is not None and seq_hash in self.disk)
+
+    def _read_slow(self, hashes: list[int], fetch: Fetch) -> None:
+        """Read `hashes` in order from disk, then the rest from the remote store, up to the
+        first block neither returns intact. On the transfer thread when there is one."""
+        ran_out = False
+        try:
+            i = 0
+            while i < len(hashes) and self.disk is not None and hashes[i] in self.disk:
+                payload = self._read(self.disk, hashes[i])
+                if payload is None:
+                    break
+                fetch.found[hashes[i]] = ("disk", payload)
+                i += 1
+            if i < len(hashes) and self.remote is not None:
+                i += self._read_remote(hashes[i:], fetch)
+            ran_out = i < len(hashes)
+        finally:
+            fetch.done = ran_out
+            fetch.running = False
+
+    def _read(self, store: KvStore, seq_hash: int) -> bytes | None:
+        metrics.LOOKUPS.labels(store.tier).inc()
+        started = time.perf_counter()
+        payload = store.get(seq_hash)
+        if payload is None:  # held, but not intact (or the store just went away)
+            metrics.ERRORS.labels(store.tier).inc()
+            return None
+        metrics.HITS.labels(store.tier).inc()
+        metrics.TRANSFER_SECONDS.labels(store.tier, "onboard").observe(time.perf_counter() - started)
+        return payload
+
+    def _read_remote(self, hashes: list[int], fetch: Fetch) -> int:
+        """How many leading `hashes` the remote store returned (pipelined when it can)."""
+        remote = self.remote
+        assert remote is not None
+        get_many: Callable[[list[int]], list[bytes | None]] | None = getattr(remote, "get_many", None)
+        started = time.perf_counter()
+        payloads = get_many(hashes) if get_many is not None else [remote.get(h) for h in hashes]
+        metrics.TRANSFER_SECONDS.labels("remote", "onboard").observe(time.perf_counter() - started)
+        n = 0
+        for seq_hash, payload in zip(hashes, payloads, strict=True):
+            metrics.LOOKUPS.labels("remote").inc()
+            if payload is None:
+                break
+            metrics.HITS.labels("remote").inc()
+            fetch.found[seq_hash] = ("remote", payload)
+            n += 1
+        return n
 
     def onboarded(self, blocks: Sequence[Fetched]) -> None:
-        """The engine took these blocks into its device cache: count them (and their reuse)."""
+        """The engine took these blocks into its device cache: count them (and their reuse),
+        and keep those read from a slow tier in host memory, so the next hit is a copy."""
+        promoted: list[int] = []
         for seq_hash, tier, payload in blocks:
             metrics.ONBOARD_BLOCKS.labels(tier).inc()
             metrics.ONBOARD_BYTES.labels(tier).inc(len(payload) or self.block_bytes)
             self._reuse[seq_hash] = self._reuse.pop(seq_hash, 0) + 1
+            if tier != "host" and seq_hash not in self.host:
+                self._make_host_room()
+                self.host.put(seq_hash, payload)
+                promoted.append(seq_hash)
+        if promoted:
+            self._stored("host", promoted)
         while len(self._reuse) > self._reuse_limit:
             self._reuse.popitem(last=False)
 
-    def _fetch(self, seq_hash: int) -> tuple[Tier, bytes] | None:
-        for store in self.stores:
-            tier = store.tier
-            metrics.LOOKUPS.labels(tier).inc()
-            if seq_hash not in store:
-                continue
-            started = time.perf_counter()
-            payload = store.get(seq_hash)
-            if payload is None:  # held, but not intact (or the store just went away)
-                metrics.ERRORS.labels(tier).inc()
-                continue
-            metrics.HITS.labels(tier).inc()
-            metrics.TRANSFER_SECONDS.labels(tier, "onboard").observe(time.perf_counter() - started)
-            if store is not self.host:
-                self._make_host_room()
-                self.host.put(seq_hash, payload)
-                self._stored("host", [seq_hash])
-            return tier, payload
-        return None
-
     # ------------------------------------------------------------------ observability
 
+    def _slow(self, job: Callable[[], None]) -> None:
+        if self.transfer is None:
+            job()
+        elif not self.transfer.submit(job):
+            metrics.SKIPPED.inc()
+
+    def _event(self, event: KvEvent) -> None:
+        with self._events_lock:
+            self._events.append(event)
+
+    def _stored(self, tier: Tier, hashes: list[int]) -> None:
+        self._event(BlockStored(blocks=hashes, tier=tier))
+        metrics.OFFLOAD_BLOCKS.labels(tier).inc(len(hashes))
+        metrics.OFFLOAD_BYTES.labels(tier).inc(len(hashes) * self.block_bytes)
+
     def take_events(self) -> list[KvEvent]:
-        events, self._events = self._events, []
+        with self._events_lock:
+            events, self._events = self._events, []
         for store in self.stores:
             metrics.BLOCKS.labels(store.tier).set(len(store))
         return events
@@ -162,5 +276,7 @@ class TieredStore:
         return {store.tier: store.hashes() for store in self.stores}
 
     def close(self) -> None:
+        if self.transfer is not None:
+            self.transfer.close()
         for store in self.stores:
             store.close()

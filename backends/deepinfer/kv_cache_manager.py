@@ -8,8 +8,10 @@ the step), and a prefix walk that runs off the device's cache continues in the t
 blocks found there get fresh device blocks, enter the prefix cache at once, and are written
 into the device (`take_loads`) before the next forward, the only thing that reads them.
 
-Lower-tier payloads are read when the sequence is matched, before the step, so a block a tier
-cannot return intact is simply not part of the prefix and is recomputed.
+Lower-tier payloads are read when the sequence is matched, before the step: from host memory
+at once, from disk or a remote store on the tiers' transfer thread while the sequence waits
+(`Prefix.waiting`; the scheduler sets it aside as LOADING_KV). A block a tier cannot return
+intact is simply not part of the prefix and is recomputed.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 from backends.deepinfer.block_pool import Block, BlockPool
 from backends.deepinfer.outputs import BlockLoad
 from backends.deepinfer.sequence import Sequence
-from kvbm.tiered import Fetched, TieredStore
+from kvbm.tiered import Fetch, Fetched, TieredStore
 from orchestrator.runtime.hashing import block_hashes
 from orchestrator.runtime.protocol import (
     AllCleared,
@@ -33,10 +35,12 @@ from orchestrator.runtime.protocol import (
 
 @dataclass(slots=True)
 class Prefix:
-    """A sequence's cached prefix: device blocks, then blocks to load from lower tiers."""
+    """A sequence's cached prefix: device blocks, then blocks to load from lower tiers.
+    `waiting`: a slow tier is still reading more of it; admit the sequence later."""
 
     blocks: list[Block] = field(default_factory=list)
     loads: list[Fetched] = field(default_factory=list)
+    waiting: bool = False
 
     def __len__(self) -> int:
         return len(self.blocks) + len(self.loads)
@@ -99,7 +103,7 @@ class KVCacheManager:
             prefix.blocks.append(block)
         if self.tiers is not None and len(prefix.blocks) < n_full:
             rest = seq.block_hashes[len(prefix.blocks) : n_full]
-            prefix.loads = self.tiers.fetch_prefix(rest, seq.fetched)
+            prefix.loads, prefix.waiting = self.tiers.fetch_prefix(rest, seq.fetch)
         return prefix
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: Prefix | None = None) -> bool:
@@ -142,7 +146,7 @@ class KVCacheManager:
         self._events.append(BlockStored(blocks=hashes, parent_seq_hash=parent))
         assert self.tiers is not None
         self.tiers.onboarded(prefix.loads)
-        seq.fetched.clear()
+        seq.fetch = Fetch()
 
     def deallocate(self, seq: Sequence) -> None:
         """Release all of `seq`'s blocks; it keeps its tokens and hashes (recompute on resume)."""

@@ -16,6 +16,7 @@ from kvbm.disk import DiskStore, slot_bytes
 from kvbm.redis_store import RedisStore
 from kvbm.stores import HostStore
 from kvbm.tiered import TieredStore
+from kvbm.transfer import TransferEngine
 
 
 def build_tiers(config: EngineConfig, cache: PagedKVCache) -> TieredStore | None:
@@ -34,4 +35,8 @@ def build_tiers(config: EngineConfig, cache: PagedKVCache) -> TieredStore | None
         disk = DiskStore(Path(config.disk_cache_dir), disk_blocks, block_bytes, layout)
     remote = RedisStore(config.redis_url, layout, block_bytes) if config.redis_url else None
     host = HostStore(host_blocks, block_bytes)
-    return TieredStore(host, disk=disk, remote=remote, disk_min_reuse=config.disk_cache_min_reuse)
+    # Disk and network I/O off the step thread; host memory alone needs no thread.
+    transfer = TransferEngine() if disk is not None or remote is not None else None
+    return TieredStore(
+        host, disk=disk, remote=remote, disk_min_reuse=config.disk_cache_min_reuse, transfer=transfer
+    )

@@ -43,6 +43,8 @@ class Scheduler:
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, tiers)
         self.waiting: list[tuple[int, int, Sequence]] = []  # heap of (priority, arrival, seq)
         self.running: list[Sequence] = []  # sorted by (priority, arrival)
+        # Waiting sequences whose prefix a slow KV tier is reading; back in `waiting` when done.
+        self.loading: list[Sequence] = []
         self._order: dict[str, tuple[int, int]] = {}  # request_id -> (priority, arrival)
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = 0
@@ -70,6 +72,9 @@ class Scheduler:
             return None
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+        elif seq.status is SequenceStatus.LOADING_KV:
+            self.loading.remove(seq)
+            self._waiting_tokens -= len(seq)
         else:
             self.waiting = [entry for entry in self.waiting if entry[2] is not seq]
             heapq.heapify(self.waiting)
@@ -86,7 +91,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.loading)
 
     def queued_prefill_tokens(self) -> int:
         """Tokens still to prefill: waiting sequences whole, running ones' unfinished prompts."""
@@ -107,6 +112,8 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> SchedulerOutput:
+        if self.loading:
+            self._requeue_loaded()
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         # As vLLM: a step that had to preempt admits nobody new, or it would thrash.
@@ -145,11 +152,28 @@ class Scheduler:
                 return False
         return True
 
+    def _requeue_loaded(self) -> None:
+        """Loading sequences whose read finished rejoin the queue at their original place."""
+        still: list[Sequence] = []
+        for seq in self.loading:
+            if seq.fetch.running:
+                still.append(seq)
+            else:
+                seq.status = SequenceStatus.WAITING
+                heapq.heappush(self.waiting, (*self._order[seq.request_id], seq))
+        self.loading = still
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         kv = self.kv_cache
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0][2]
             prefix = kv.match_prefix(seq)
+            if prefix.waiting:
+                # Its KV is on its way from a slow tier: the ones behind it go first meanwhile.
+                heapq.heappop(self.waiting)
+                seq.status = SequenceStatus.LOADING_KV
+                self.loading.append(seq)
+                continue
             n = len(seq) - len(prefix) * self.block_size
             if n > budget:
                 if not self.enable_chunked_prefill:

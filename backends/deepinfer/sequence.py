@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
-from orchestrator.runtime.protocol import Tier, WorkerRequest
+from kvbm.tiered import Fetch
+from orchestrator.runtime.protocol import WorkerRequest
 
 
 class SequenceStatus(Enum):
     WAITING = auto()
+    LOADING_KV = auto()  # waiting, and a slow KV tier is reading its prefix (kvbm.Fetch)
     RUNNING = auto()
     FINISHED = auto()
 
@@ -22,7 +24,7 @@ class Sequence:
     __slots__ = (
         "block_hashes",
         "block_table",
-        "fetched",
+        "fetch",
         "finish_reason",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -49,9 +51,8 @@ class Sequence:
         # Leading entries of block_table already offered to the prefix cache (KVCacheManager).
         self.num_registered_blocks = 0
         self.finish_reason: str | None = None
-        # Lower-tier blocks already read for this sequence while it waits for room on the
-        # device (kvbm.TieredStore.fetch_prefix), so a retry reads nothing twice.
-        self.fetched: dict[int, tuple[Tier, bytes]] = {}
+        # Lower-tier blocks read for this sequence while it waits (kvbm.TieredStore.fetch_prefix).
+        self.fetch = Fetch()
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -71,6 +71,9 @@ class DeepInferWorker:
     async def stop(self) -> None:
         if self._async is not None:
             await self._async.stop()
+            tiers = self._async.engine.tiers
+            if tiers is not None:
+                await asyncio.to_thread(tiers.close)  # the transfer thread finishes its queue
 
     def generate(self, request: WorkerRequest) -> DeltaStream:
         if self._async is None:

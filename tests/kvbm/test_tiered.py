@@ -9,8 +9,9 @@ from pathlib import Path
 from kvbm import metrics, records
 from kvbm.disk import DiskStore
 from kvbm.stores import HostStore
-from kvbm.tiered import TieredStore
-from orchestrator.runtime.protocol import BlockRemoved, BlockStored, KvEvent, Tier
+from kvbm.tiered import Fetch, TieredStore
+from kvbm.transfer import TransferEngine
+from orchestrator.runtime.protocol import BlockRemoved, BlockStored, KvEvent
 
 BLOCK = 64
 
@@ -38,27 +39,28 @@ def test_write_through_and_a_prefix_walk_that_stops_at_the_first_gap(tmp_path: P
     store = tiers(tmp_path, host_blocks=8)
     store.offload([(1, payload(1)), (2, payload(2)), (4, payload(4))])
     assert by_tier(store.take_events()) == {("stored", "host"): [1, 2, 4]}
-    memo: dict[int, tuple[Tier, bytes]] = {}
-    found = store.fetch_prefix([1, 2, 3, 4], memo)
-    assert found == [(1, "host", payload(1)), (2, "host", payload(2))]
-    # What was read is kept for the sequence's next attempt: nothing is read twice.
-    hits = metrics.HITS.labels("host")._value.get()
-    assert store.fetch_prefix([1, 2], memo) == found
-    assert metrics.HITS.labels("host")._value.get() == hits
+    found, waiting = store.fetch_prefix([1, 2, 3, 4], Fetch())
+    assert found == [(1, "host", payload(1)), (2, "host", payload(2))] and not waiting
 
 
 def test_host_evictions_reach_disk_only_when_reused(tmp_path: Path) -> None:
     store = tiers(tmp_path, host_blocks=2)
     store.offload([(1, payload(1)), (2, payload(2))])
-    store.onboarded(store.fetch_prefix([1], {}))  # block 1 was loaded back once: worth keeping
+    store.onboarded(store.fetch_prefix([1], Fetch())[0])  # block 1 was loaded back once: worth keeping
     store.take_events()
     store.offload([(3, payload(3)), (4, payload(4))])  # host memory drops 1 and 2
     events = by_tier(store.take_events())
     assert sorted(events[("removed", "host")]) == [1, 2]
     assert events[("stored", "disk")] == [1]  # 2 was never reused: dropped, not written
     assert store.disk is not None and 1 in store.disk and 2 not in store.disk
-    # A disk hit is copied up to host memory, so the next one is a memory copy.
-    assert store.fetch_prefix([1], {}) == [(1, "disk", payload(1))]
+    # A disk hit is kept for the sequence (a retry reads nothing twice) and, once the engine
+    # takes it, copied up to host memory, so the next one is a memory copy.
+    fetch = Fetch()
+    assert store.fetch_prefix([1], fetch) == ([(1, "disk", payload(1))], False)
+    reads = metrics.LOOKUPS.labels("disk")._value.get()
+    assert store.fetch_prefix([1], fetch) == ([(1, "disk", payload(1))], False)
+    assert metrics.LOOKUPS.labels("disk")._value.get() == reads
+    store.onboarded([(1, "disk", payload(1))])
     assert 1 in store.host
     assert ("stored", "host") in by_tier(store.take_events())
     assert set(store.snapshot()) == {"host", "disk"}
@@ -74,6 +76,39 @@ def test_a_damaged_disk_block_is_a_miss_and_counted(tmp_path: Path) -> None:
         slab[slot * store.disk.slot_bytes + records.HEADER_BYTES + 10] ^= 0x01
     store.disk.path.write_bytes(bytes(slab))
     errors = metrics.ERRORS.labels("disk")._value.get()
-    assert store.fetch_prefix([1, 2], {}) == []  # the walk stops at the damaged first block
+    assert store.fetch_prefix([1, 2], Fetch()) == ([], False)  # the walk stops at the damaged first block
     assert metrics.ERRORS.labels("disk")._value.get() == errors + 1
     assert 1 not in store.disk
+
+
+def test_slow_tiers_run_on_the_transfer_thread_while_the_sequence_waits(tmp_path: Path) -> None:
+    transfer = TransferEngine()
+    disk = DiskStore(tmp_path, 16, BLOCK, layout=7)
+    store = TieredStore(HostStore(1, BLOCK), disk=disk, disk_min_reuse=0, transfer=transfer)
+    try:
+        store.offload([(1, payload(1)), (2, payload(2)), (3, payload(3))])  # 1 and 2 fall to disk
+        assert transfer.wait_idle(5)
+        assert 1 in disk and 2 in disk and 3 in store.host
+        fetch = Fetch()
+        found, waiting = store.fetch_prefix([1, 2, 3, 9], fetch)
+        assert (found, waiting) == ([], True)  # the read was started, not waited for
+        assert transfer.wait_idle(5) and not fetch.running
+        found, waiting = store.fetch_prefix([1, 2, 3, 9], fetch)
+        assert not waiting
+        assert found == [(1, "disk", payload(1)), (2, "disk", payload(2)), (3, "host", payload(3))]
+    finally:
+        store.close()
+
+
+def test_a_full_transfer_queue_sheds_work_instead_of_waiting(tmp_path: Path) -> None:
+    transfer = TransferEngine(max_pending=0)  # every job refused: a tier far slower than the engine
+    disk = DiskStore(tmp_path, 16, BLOCK, layout=7)
+    store = TieredStore(HostStore(1, BLOCK), disk=disk, disk_min_reuse=0, transfer=transfer)
+    try:
+        skipped = metrics.SKIPPED._value.get()
+        store.offload([(1, payload(1)), (2, payload(2))])
+        assert metrics.SKIPPED._value.get() == skipped + 1 and 1 not in disk
+        disk.put(1, payload(1))  # on disk, but the queue is full: a miss now, not a wait
+        assert store.fetch_prefix([1], Fetch()) == ([], False)
+    finally:
+        store.close()

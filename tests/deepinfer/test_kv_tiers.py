@@ -15,6 +15,7 @@ from backends.deepinfer.outputs import SeqOutput
 from backends.deepinfer.sequence import SequenceStatus
 from kvbm import metrics
 from kvbm.disk import DiskStore
+from kvbm.redis_store import RedisStore
 from tests.deepinfer.test_engine import make_engine, prompt, request, run
 from tests.servers import redis_server
 
@@ -136,3 +137,19 @@ def test_two_workers_share_blocks_through_redis(
         assert served.seq.num_cached_tokens == 48
         assert _onboarded("remote") - before == 3
         assert served.seq.token_ids == reference["output"]
+
+
+def test_a_redis_that_goes_away_is_a_miss_not_a_failure(
+    tiny_llama_dir: Path, reference: dict[str, Any], tmp_path: Path
+) -> None:
+    probe = _engine(tiny_llama_dir)
+    with redis_server(tmp_path) as url:
+        tiers = {"host_cache_gb": _block_gb(probe, 64), "redis_url": url}
+        worker_a, worker_b = _engine(tiny_llama_dir, **tiers), _engine(tiny_llama_dir, **tiers)
+        run(worker_a, [request("a", reference["tokens"])])
+    # Redis is gone (stopped with the block above): B computes the prompt itself.
+    served = run(worker_b, [request("b", reference["tokens"])])["b"]
+    assert served.seq.num_cached_tokens == 0
+    assert served.seq.token_ids == reference["output"]
+    assert worker_b.tiers is not None and isinstance(worker_b.tiers.remote, RedisStore)
+    assert not worker_b.tiers.remote.available

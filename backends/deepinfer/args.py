@@ -75,6 +75,13 @@ def add_deepinfer_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--disk-cache-dir", default=None, help="G3: a directory for a slab file of KV blocks")
     t.add_argument("--disk-cache-gb", type=float, default=d.disk_cache_gb, help="G3: its size")
     t.add_argument(
+        "--disk-cache-min-reuse",
+        type=int,
+        default=d.disk_cache_min_reuse,
+        help="G3 takes a block host memory drops only once it was loaded back this often "
+        f"(default {d.disk_cache_min_reuse})",
+    )
+    t.add_argument(
         "--redis-url",
         default=None,
         help="G4: a Redis shared by every worker of the model, e.g. redis://kv-cache:6379/0",
@@ -108,5 +115,6 @@ def deepinfer_config_from_args(args: argparse.Namespace) -> EngineConfig:
         host_cache_gb=args.host_cache_gb,
         disk_cache_dir=args.disk_cache_dir,
         disk_cache_gb=args.disk_cache_gb,
+        disk_cache_min_reuse=args.disk_cache_min_reuse,
         redis_url=args.redis_url,
     )

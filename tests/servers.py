@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -12,11 +13,31 @@ from pathlib import Path
 from tests.certs import Certs
 from tests.waiting import port_open, wait_until
 
+# Ports handed out by free_port in this process, never handed out twice.
+_handed_out: set[int] = set()
+# Below the kernel's ephemeral range (32768-60999 on Linux by default) and above the local
+# services a machine of this kind runs (PostgreSQL, Redis, NATS, RabbitMQ, ...).
+_PORTS = range(20_000, 32_000)
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port on 127.0.0.1 nothing listens on, for a server a test starts. Not one the kernel
+    picks (binding port 0): those come from the ephemeral range, which every outgoing
+    connection draws from too, so such a port was once taken by a client connection before
+    the server meant for it could bind (EADDRINUSE in CI)."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.choice(_PORTS)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {_PORTS.start}..{_PORTS.stop - 1}")
 
 
 def wait_for_port(port: int, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:

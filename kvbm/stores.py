@@ -8,7 +8,7 @@ dropped and counts as a miss (records.py).
 
 `HostStore` is G2: a buffer allocated once, one slot per block. With `block_bytes=0` it keeps
 only which hashes it holds, which is what the mocker and the offline replay need: they move
-no bytes, only time.
+no bytes, only time (its shared tier is a `HostStore` too, so it also speaks `RemoteStore`).
 """
 
 from __future__ import annotations
@@ -43,6 +43,16 @@ class KvStore(Protocol):
     def close(self) -> None: ...
 
 
+class RemoteStore(KvStore, Protocol):
+    """A store shared by a model's workers (G4): pipelined batches, and it can go away."""
+
+    available: bool  # False while it is unreachable: every call is then a miss or a no-op
+
+    def get_many(self, hashes: list[int]) -> list[bytes | None]: ...
+
+    def put_many(self, items: list[tuple[int, bytes]]) -> None: ...
+
+
 class HostStore:
     """G2: host memory, preallocated. LRU over slots. `tier` is "host" but for the simulated
     stores of the mocker, which stand in for any tier with `block_bytes=0`."""
@@ -57,6 +67,7 @@ class HostStore:
         self._view = memoryview(self._buffer)
         self._slots: OrderedDict[int, int] = OrderedDict()  # seq_hash -> slot, LRU first
         self._free = list(range(capacity_blocks - 1, -1, -1))
+        self.available = True  # memory does not go away (RemoteStore)
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -88,6 +99,13 @@ class HostStore:
         self._view[start : start + self.block_bytes] = payload
         self._slots[seq_hash] = slot
         return evicted
+
+    def get_many(self, hashes: list[int]) -> list[bytes | None]:
+        return [self.get(h) for h in hashes]
+
+    def put_many(self, items: list[tuple[int, bytes]]) -> None:
+        for seq_hash, payload in items:
+            self.put(seq_hash, payload)
 
     def pop_oldest(self) -> tuple[int, bytes] | None:
         """Evict the least recently used block and hand back its bytes (to demote them)."""

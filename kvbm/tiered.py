@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 
 from kvbm import metrics
-from kvbm.stores import HostStore, KvStore
+from kvbm.stores import HostStore, KvStore, RemoteStore
 from kvbm.transfer import TransferEngine
 from orchestrator.runtime.protocol import BlockRemoved, BlockStored, KvEvent, Tier
 
@@ -66,7 +66,7 @@ class TieredStore:
         self,
         host: HostStore,
         disk: KvStore | None = None,
-        remote: KvStore | None = None,
+        remote: RemoteStore | None = None,
         disk_min_reuse: int = 1,
         transfer: TransferEngine | None = None,
     ) -> None:
@@ -128,13 +128,8 @@ class TieredStore:
         remote = self.remote
         assert remote is not None
         started = time.perf_counter()
-        put_many = getattr(remote, "put_many", None)
-        if put_many is not None:
-            put_many(blocks)
-        else:
-            for seq_hash, payload in blocks:
-                remote.put(seq_hash, payload)
-        if getattr(remote, "available", True):
+        remote.put_many(blocks)
+        if remote.available:
             self._stored("remote", [seq_hash for seq_hash, _ in blocks])
             metrics.TRANSFER_SECONDS.labels("remote", "offload").observe(time.perf_counter() - started)
 
@@ -210,12 +205,11 @@ class TieredStore:
         return payload
 
     def _read_remote(self, hashes: list[int], fetch: Fetch) -> int:
-        """How many leading `hashes` the remote store returned (pipelined when it can)."""
+        """How many leading `hashes` the remote store returned, in one pipelined batch."""
         remote = self.remote
         assert remote is not None
-        get_many: Callable[[list[int]], list[bytes | None]] | None = getattr(remote, "get_many", None)
         started = time.perf_counter()
-        payloads = get_many(hashes) if get_many is not None else [remote.get(h) for h in hashes]
+        payloads = remote.get_many(hashes)
         metrics.TRANSFER_SECONDS.labels("remote", "onboard").observe(time.perf_counter() - started)
         n = 0
         for seq_hash, payload in zip(hashes, payloads, strict=True):

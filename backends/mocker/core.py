@@ -23,7 +23,7 @@ from backends.deepinfer.outputs import SampledToken
 from backends.deepinfer.scheduler import Scheduler
 from backends.deepinfer.sequence import Sequence
 from backends.mocker.config import MockerConfig
-from kvbm.stores import HostStore, KvStore
+from kvbm.stores import HostStore, RemoteStore
 from kvbm.tiered import TieredStore
 from orchestrator.runtime.protocol import (
     FinishReason,
@@ -54,7 +54,7 @@ class StepResult:
 
 
 class MockerCore:
-    def __init__(self, config: MockerConfig, shared: KvStore | None = None) -> None:
+    def __init__(self, config: MockerConfig, shared: RemoteStore | None = None) -> None:
         """`shared`: a remote tier (G4) shared with other cores, as one Redis is by a model's
         workers; it needs `host_cache_blocks` (the host tier above it)."""
         self.config = config
@@ -183,7 +183,7 @@ class MockerCore:
         return self.kv_cache.snapshot()
 
 
-def _tiers(config: MockerConfig, shared: KvStore | None) -> TieredStore | None:
+def _tiers(config: MockerConfig, shared: RemoteStore | None) -> TieredStore | None:
     """Simulated tiers: the real policy (kvbm.TieredStore) over stores that keep hashes only."""
     if not config.host_cache_blocks:
         if shared is not None:

@@ -143,6 +143,26 @@ def test_cli_flags_build_the_config(tiny_llama_dir: Path) -> None:
         deepinfer_config_from_args(parser.parse_args(["--model", str(tiny_llama_dir / "nope")]))
 
 
+async def test_kv_tier_flags_reach_the_engine_and_its_card(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_deepinfer_arguments(parser)
+    tiers = f"--host-cache-gb 0.01 --disk-cache-dir {tmp_path} --disk-cache-gb 0.02 --disk-cache-min-reuse 2"
+    args = parser.parse_args(
+        ["--model", str(tiny_llama_dir), "--device", "cpu", "--num-kv-blocks", "16", *tiers.split()]
+    )
+    config = deepinfer_config_from_args(args)
+    assert (config.host_cache_gb, config.disk_cache_dir, config.disk_cache_gb) == (0.01, str(tmp_path), 0.02)
+    assert config.disk_cache_min_reuse == 2 and config.redis_url is None
+    worker = DeepInferWorker(config)
+    await worker.start()
+    try:
+        assert worker.engine.tiers is not None and worker.engine.tiers.disk_min_reuse == 2
+        assert set(worker.card.kv_tiers) == {"host", "disk"} and all(worker.card.kv_tiers.values())
+        assert list(tmp_path.glob("*.slab"))  # the disk tier's file is there
+    finally:
+        await worker.stop()
+
+
 @pytest.mark.slow
 async def test_smollm2_knows_the_capital_of_france(smollm2_dir: Path) -> None:
     """Through the worker with the model's own chat template (the frontend's Preprocessor)."""

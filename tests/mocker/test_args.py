@@ -48,6 +48,10 @@ def test_flags_reach_the_config(tmp_path: Path) -> None:
         0.5,
     )
     assert (config.speedup, config.num_blocks, config.block_size) == (100.0, 64, 16)
+    tiers = mocker_config_from_args(
+        parse(["--host-cache-blocks", "128", "--disk-cache-blocks", "256", "--kv-bytes-per-token", "1024"])
+    )
+    assert (tiers.host_cache_blocks, tiers.disk_cache_blocks, tiers.kv_bytes_per_token) == (128, 256, 1024)
     assert (config.max_num_batched_tokens, config.max_num_seqs, config.vocab_size) == (512, 8, 1000)
     assert config.context_length == 2048
     assert config.timing.prefill(10) == pytest.approx(6.0) and config.timing.decode(0.3) == 2.0

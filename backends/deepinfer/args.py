@@ -1,4 +1,4 @@
-"""DeepInfer's command-line flags, shared by `weir serve` and `weir worker`.
+"""DeepInfer's command-line flags and its `BackendSpec`, shared by `weir serve` and `weir worker`.
 
 Kept apart from `worker.py` so that parsing a command line (or printing its help) does not
 import torch."""
@@ -9,21 +9,17 @@ import argparse
 from pathlib import Path
 
 from backends.deepinfer.config import EngineConfig
+from backends.registry import BackendSpec
+from orchestrator.runtime.engine import Engine
+
+_DEFAULTS = EngineConfig()
 
 
 def add_deepinfer_arguments(parser: argparse.ArgumentParser) -> None:
-    """DeepInfer's flags, in their own group; defaults are `EngineConfig`'s."""
-    d = EngineConfig()
+    """DeepInfer's own flags, in their own groups (`backends.registry` declares --model and the
+    shared ones); defaults are `EngineConfig`'s."""
+    d = _DEFAULTS
     g = parser.add_argument_group("DeepInfer engine")
-    g.add_argument(
-        "--model", default=None, help="checkpoint directory (default: SmolLM2-135M-Instruct, converted once)"
-    )
-    g.add_argument(
-        "--served-model-name", default=None, help="model name clients use (default: the directory name)"
-    )
-    g.add_argument(
-        "--block-size", type=int, default=d.block_size, help=f"tokens per KV block (default {d.block_size})"
-    )
     g.add_argument(
         "--num-kv-blocks",
         type=int,
@@ -35,18 +31,6 @@ def add_deepinfer_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=d.kv_cache_memory_gb,
         help=f"KV cache size (default {d.kv_cache_memory_gb})",
-    )
-    g.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=d.max_num_seqs,
-        help=f"running sequences (default {d.max_num_seqs})",
-    )
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=d.max_num_batched_tokens,
-        help=f"tokens per step (default {d.max_num_batched_tokens})",
     )
     g.add_argument(
         "--max-model-len", type=int, default=d.max_model_len, help="context limit (0: the checkpoint's)"
@@ -88,19 +72,14 @@ def add_deepinfer_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def deepinfer_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """An `EngineConfig` from the flags above; converts the default model on first use."""
-    if args.model:
-        model = Path(args.model)
-    else:
-        from backends.deepinfer.smollm2 import ensure_default_model
-
-        model = ensure_default_model()
-    if not (model / "config.json").is_file():
-        raise ValueError(f"--model {model} is not a checkpoint directory (no config.json)")
+def deepinfer_config_from_args(args: argparse.Namespace, model_dir: Path, served_name: str) -> EngineConfig:
+    """An `EngineConfig` serving `model_dir` as `served_name`, from the flags above and the
+    shared ones (which `backends.registry.make_engine` fills with DeepInfer's defaults)."""
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"--model {model_dir} is not a checkpoint directory (no config.json)")
     return EngineConfig(
-        model=str(model),
-        served_model_name=args.served_model_name or "",
+        model=str(model_dir),
+        served_model_name=served_name,
         device=args.device,
         dtype=args.dtype,
         block_size=args.block_size,
@@ -118,3 +97,21 @@ def deepinfer_config_from_args(args: argparse.Namespace) -> EngineConfig:
         disk_cache_min_reuse=args.disk_cache_min_reuse,
         redis_url=args.redis_url,
     )
+
+
+def _build(args: argparse.Namespace, model_dir: Path, served_name: str) -> Engine:
+    from backends.deepinfer.worker import DeepInferWorker  # torch, once DeepInfer is the backend
+
+    return DeepInferWorker(deepinfer_config_from_args(args, model_dir, served_name))
+
+
+SPEC = BackendSpec(
+    description="the bundled PyTorch engine",
+    add_arguments=add_deepinfer_arguments,
+    defaults={
+        "block_size": _DEFAULTS.block_size,
+        "max_num_seqs": _DEFAULTS.max_num_seqs,
+        "max_num_batched_tokens": _DEFAULTS.max_num_batched_tokens,
+    },
+    build=_build,
+)

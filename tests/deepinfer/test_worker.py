@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from backends.deepinfer.args import add_deepinfer_arguments, deepinfer_config_from_args
 from backends.deepinfer.config import EngineConfig
 from backends.deepinfer.worker import DeepInferWorker
+from backends.registry import add_backend_arguments, make_engine
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.hashing import block_hashes
 from orchestrator.runtime.protocol import BlockStored, SamplingOptions, TokenDelta, WorkerRequest
@@ -129,31 +129,34 @@ async def test_stop_aborts_requests_in_flight(tiny_llama_dir: Path) -> None:
     assert rest[-1].finish_reason == "abort" and rest[-1].usage is not None
 
 
-def test_cli_flags_build_the_config(tiny_llama_dir: Path) -> None:
+def cli_worker(argv: list[str], model_dir: Path) -> DeepInferWorker:
+    """The DeepInfer worker `weir worker --backend deepinfer --model MODEL_DIR ARGV` builds."""
     parser = argparse.ArgumentParser()
-    add_deepinfer_arguments(parser)
+    add_backend_arguments(parser)
+    args = parser.parse_args(["--backend", "deepinfer", "--model", str(model_dir), *argv])
+    worker = make_engine(args, model_dir)
+    assert isinstance(worker, DeepInferWorker)
+    return worker
+
+
+def test_cli_flags_build_the_config(tiny_llama_dir: Path, tmp_path: Path) -> None:
     flags = (
         "--block-size 32 --num-kv-blocks 50 --deterministic --no-prefix-caching --max-num-seqs 8 --device cpu"
     )
-    args = parser.parse_args(["--model", str(tiny_llama_dir), *flags.split()])
-    config = deepinfer_config_from_args(args)
+    config = cli_worker(flags.split(), tiny_llama_dir).config
     assert (config.block_size, config.num_kv_blocks, config.max_num_seqs) == (32, 50, 8)
     assert config.deterministic and not config.enable_prefix_caching and config.model == str(tiny_llama_dir)
+    assert config.served_model_name == tiny_llama_dir.name
     with pytest.raises(ValueError, match="checkpoint"):
-        deepinfer_config_from_args(parser.parse_args(["--model", str(tiny_llama_dir / "nope")]))
+        cli_worker([], tmp_path)  # no config.json
 
 
 async def test_kv_tier_flags_reach_the_engine_and_its_card(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    parser = argparse.ArgumentParser()
-    add_deepinfer_arguments(parser)
     tiers = f"--host-cache-gb 0.01 --disk-cache-dir {tmp_path} --disk-cache-gb 0.02 --disk-cache-min-reuse 2"
-    args = parser.parse_args(
-        ["--model", str(tiny_llama_dir), "--device", "cpu", "--num-kv-blocks", "16", *tiers.split()]
-    )
-    config = deepinfer_config_from_args(args)
+    worker = cli_worker(["--device", "cpu", "--num-kv-blocks", "16", *tiers.split()], tiny_llama_dir)
+    config = worker.config
     assert (config.host_cache_gb, config.disk_cache_dir, config.disk_cache_gb) == (0.01, str(tmp_path), 0.02)
     assert config.disk_cache_min_reuse == 2 and config.redis_url is None
-    worker = DeepInferWorker(config)
     await worker.start()
     try:
         assert worker.engine.tiers is not None and worker.engine.tiers.disk_min_reuse == 2

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from backends.mocker.args import add_mocker_arguments, mocker_config_from_args
+from backends.mocker.args import mocker_config_from_args
 from backends.mocker.config import MockerConfig
 from backends.mocker.engine import MockerEngine
 from backends.registry import add_backend_arguments, make_engine
@@ -16,9 +16,10 @@ from orchestrator.runtime.model_files import eos_token_ids
 from tests.frontend.tokenizer_dirs import build_chatml
 
 
-def parse(argv: list[str], parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
-    parser = parser or argparse.ArgumentParser()
-    add_mocker_arguments(parser)
+def parse(argv: list[str]) -> argparse.Namespace:
+    """`argv` as `weir worker` parses it: the mocker's flags and those every backend shares."""
+    parser = argparse.ArgumentParser()
+    add_backend_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -57,13 +58,6 @@ def test_flags_reach_the_config(tmp_path: Path) -> None:
     assert config.timing.prefill(10) == pytest.approx(6.0) and config.timing.decode(0.3) == 2.0
 
 
-def test_a_flag_another_backend_defined_is_shared() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--block-size", type=int, default=None)
-    args = parse(["--block-size", "32"], parser)
-    assert mocker_config_from_args(args).block_size == 32
-
-
 def test_bad_values_are_value_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="speedup"):
         mocker_config_from_args(parse(["--speedup", "0"]))
@@ -79,9 +73,7 @@ def test_bad_values_are_value_errors(tmp_path: Path) -> None:
 
 def test_a_mocker_worker_takes_eos_and_vocabulary_from_the_tokenizer(tmp_path: Path) -> None:
     model_dir = build_chatml(tmp_path)
-    parser = argparse.ArgumentParser()
-    add_backend_arguments(parser)
-    engine = make_engine(parser.parse_args(["--backend", "mocker"]), model_dir)
+    engine = make_engine(parse(["--backend", "mocker"]), model_dir)
     assert isinstance(engine, MockerEngine)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     # The ids the frontend stops on, the tokenizer's eos first: the one the mocker emits.

@@ -1,0 +1,118 @@
+"""The backend registry: every backend's flags parse side by side, the shared flags take each
+backend's own default, an unknown backend is refused, and a mocker worker never imports torch."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from backends.deepinfer.config import EngineConfig
+from backends.mocker.config import MockerConfig
+from backends.mocker.engine import MockerEngine
+from backends.registry import (
+    BACKENDS,
+    SHARED_FLAGS,
+    BackendSpec,
+    add_backend_arguments,
+    backend_spec,
+    make_engine,
+)
+from orchestrator.runtime.engine import Engine
+from tests.cli.procs import REPO
+from tests.frontend.tokenizer_dirs import build_chatml
+
+# Each backend's config class, whose defaults the shared flags must fall back to.
+CONFIGS: dict[str, type[MockerConfig | EngineConfig]] = {"mocker": MockerConfig, "deepinfer": EngineConfig}
+
+
+def backend_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_backend_arguments(parser)
+    return parser
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    """Enough of a model for either backend to build (DeepInfer loads weights only on start)."""
+    path = build_chatml(tmp_path)
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def built_config(engine: Engine) -> MockerConfig | EngineConfig:
+    from backends.deepinfer.worker import DeepInferWorker  # torch: only the tests that build one
+
+    assert isinstance(engine, MockerEngine | DeepInferWorker)
+    return engine.config
+
+
+def test_every_backend_is_registered_with_its_config() -> None:
+    assert set(CONFIGS) == set(BACKENDS)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_each_backends_flags_parse_beside_the_others(name: str) -> None:
+    alone = argparse.ArgumentParser()
+    backend_spec(name).add_arguments(alone)
+    own = {flag for action in alone._actions for flag in action.option_strings} - {"-h", "--help"}
+    shared = {"--" + dest.replace("_", "-") for dest in SHARED_FLAGS}
+    assert own and not own & shared, "a backend declares only its own flags"
+    args = vars(backend_parser().parse_args(["--backend", name]))
+    assert args.items() >= vars(alone.parse_args([])).items()  # the same flags, the same defaults
+    assert all(args[dest] is None for dest in SHARED_FLAGS)  # left for the backend to fill
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_shared_flags_take_each_backends_own_default(name: str, model_dir: Path) -> None:
+    argv = ["--backend", name, "--model", str(model_dir)]
+    config = built_config(make_engine(backend_parser().parse_args(argv), model_dir))
+    defaults = CONFIGS[name]()
+    assert {dest: getattr(config, dest) for dest in SHARED_FLAGS} == {
+        dest: getattr(defaults, dest) for dest in SHARED_FLAGS
+    }
+    given = backend_parser().parse_args([*argv, "--block-size", "32", "--max-num-seqs", "4"])
+    config = built_config(make_engine(given, model_dir))
+    assert (config.block_size, config.max_num_seqs) == (32, 4)
+    assert config.max_num_batched_tokens == defaults.max_num_batched_tokens
+
+
+def test_an_unknown_backend_is_refused(model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="unknown backend 'vllm'; choose one of mocker, deepinfer"):
+        backend_spec("vllm")
+    args = backend_parser().parse_args([])
+    args.backend = "vllm"
+    with pytest.raises(ValueError, match="unknown backend 'vllm'"):
+        make_engine(args, model_dir)
+    with pytest.raises(SystemExit):  # argparse names the choices
+        backend_parser().parse_args(["--backend", "vllm"])
+
+
+def test_a_spec_must_give_every_shared_default() -> None:
+    spec = backend_spec("mocker")
+    with pytest.raises(ValueError, match="must cover"):
+        BackendSpec(spec.description, spec.add_arguments, {"block_size": 16}, spec.build)
+
+
+def test_a_mocker_worker_never_imports_torch(model_dir: Path) -> None:
+    """Every backend's flags are parsed for any backend: their modules must not import their
+    engines, and the mocker's engine must not need torch."""
+    script = f"""
+import contextlib, sys
+from pathlib import Path
+from backends.registry import make_engine
+from orchestrator.cli.main import build_parser, main
+with contextlib.suppress(SystemExit):
+    main(["worker", "--backend", "mocker", "--help"])
+argv = ["worker", "--backend", "mocker", "--model", {str(model_dir)!r}]
+make_engine(build_parser(only="worker").parse_args(argv), Path(argv[-1]))
+print(sorted(name for name in sys.modules if name.split(".")[0] == "torch"))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[]"

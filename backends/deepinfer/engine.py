@@ -42,7 +42,8 @@ class Runner(Protocol):
     kv_cache: PagedKVCache  # used only with KV tiers
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """float32 logits, one row per chunk with `sample=True`, in chunk order."""
+        """float32 logits, one row per chunk with `sample=True`, in chunk order; `out.loads`
+        written into the cache before any layer reads them."""
         ...
 
 
@@ -135,9 +136,7 @@ class Engine:
             return self.postprocess(out, sampled)
 
     def run(self, out: SchedulerOutput) -> list[SampledToken]:
-        """Onboarded KV in, forward, grammar mask and sampling for the chunks that sample."""
-        if out.loads:
-            self.runner.kv_cache.write_blocks([b.block_id for b in out.loads], [b.payload for b in out.loads])
+        """Forward (onboarded KV in layer by layer), grammar mask, sampling for the chunks that sample."""
         logits = self.runner.execute(out)
         seqs = [c.seq for c in out.chunks if c.sample]
         if not seqs:

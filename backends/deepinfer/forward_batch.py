@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from backends.deepinfer.kv_arrival import KVArrival
+
 
 @dataclass(slots=True)
 class PrefillSpan:
@@ -72,6 +74,8 @@ class ForwardBatch:
     decode_blocks: torch.Tensor | None  # [B, N] block tables of the decode tokens, 0-padded
     decode_plan: DecodePlan | None
     sample_index: torch.Tensor  # [S] flat positions whose logits are returned
+    # Onboarded blocks still being written, layer by layer; each cache layer waits for its own.
+    kv_arrival: KVArrival | None = None
 
     @property
     def num_tokens(self) -> int:

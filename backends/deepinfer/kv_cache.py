@@ -9,17 +9,22 @@ names the same tokens in all of them.
 
 Copies are batched: reading gathers the requested blocks of each tensor with one
 `index_select`, concatenates them on the device and makes one device-to-host copy; writing
-assembles the payloads in one host buffer, makes one host-to-device copy and scatters each
-tensor's part with one `index_copy_`. Per-block Python work is only slicing.
+assembles the payloads in one host buffer and scatters each tensor's part with one
+`index_copy_`, a layer at a time on a loader thread, so that the forward pass can start
+before the last layer's blocks are in (`kv_arrival`). Per-block Python work is only slicing.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from itertools import accumulate
 
+import numpy as np
 import torch
 
+from backends.deepinfer.kv_arrival import KVArrival
 from backends.deepinfer.layers.attention import Attention
 from backends.deepinfer.layers.mla import MLAttention
 
@@ -34,9 +39,16 @@ class PagedKVCache:
     The tensors are referenced, not copied: they must stay the ones the layers write (true
     after `allocate_cache`, which the runner calls once)."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, tensors: Sequence[torch.Tensor], tensors_per_layer: Sequence[int] | None = None
+    ) -> None:
+        """`tensors_per_layer`: how many consecutive tensors each cache layer owns (2 for K and V,
+        1 for an MLA latent); by default each tensor is a layer of its own."""
         if not tensors:
             raise ValueError("a paged KV cache needs at least one cache tensor")
+        per_layer = [1] * len(tensors) if tensors_per_layer is None else list(tensors_per_layer)
+        if sum(per_layer) != len(tensors) or min(per_layer) < 1:
+            raise ValueError(f"layers of {per_layer} tensors do not partition {len(tensors)} tensors")
         first = tensors[0]
         for t in tensors:
             if t.dim() < 2 or t.shape[:2] != first.shape[:2]:
@@ -53,6 +65,9 @@ class PagedKVCache:
         self._sizes = [math.prod(t.shape[1:]) * t.element_size() for t in self._tensors]
         self._offsets = [sum(self._sizes[:i]) for i in range(len(self._sizes))]
         self._block_bytes = sum(self._sizes)
+        self._layer_ends = list(accumulate(per_layer))  # layer i owns tensors [ends[i-1], ends[i])
+        self._loader: ThreadPoolExecutor | None = None  # started by the first write
+        self._staging = np.empty(0, dtype=np.uint8)  # used by the loader thread only
         self._layout: KVLayout = (
             str(first.dtype).removeprefix("torch."),
             first.shape[1],
@@ -64,17 +79,21 @@ class PagedKVCache:
         """The caches of `layers` (allocated), in layer order: K then V for attention, the
         latent cache for MLA."""
         tensors: list[torch.Tensor] = []
+        per_layer: list[int] = []
         for layer in layers:
-            if isinstance(layer, Attention):
-                tensors.extend((layer.k_cache, layer.v_cache))
-            else:
-                tensors.append(layer.kv_cache)
-        return cls(tensors)
+            own = (layer.k_cache, layer.v_cache) if isinstance(layer, Attention) else (layer.kv_cache,)
+            tensors.extend(own)
+            per_layer.append(len(own))
+        return cls(tensors, per_layer)
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The cache tensors in payload order."""
         return self._tensors
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layer_ends)
 
     @property
     def num_blocks(self) -> int:
@@ -101,9 +120,14 @@ class PagedKVCache:
         host = torch.cat(rows, dim=1).cpu().numpy()  # [n, block_bytes], the one device -> host copy
         return [host[i].tobytes() for i in range(n)]
 
-    @torch.no_grad()
     def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
-        """Overwrite each block in `block_ids` with its payload (as `read_blocks` returned it).
+        """Overwrite each block in `block_ids` with its payload (as `read_blocks` returned it)."""
+        self.start_write(block_ids, payloads).wait_all()
+
+    def start_write(self, block_ids: list[int], payloads: list[bytes]) -> KVArrival:
+        """Start writing `payloads` into `block_ids` on the loader thread, layer by layer; the
+        returned `KVArrival` tells when each layer's part is in. The caller must not read or
+        reuse those blocks before it says so.
 
         ValueError, before anything is written, on a payload of the wrong size, a length
         mismatch, an unknown block id or a repeated one (the scatter would be ambiguous)."""
@@ -117,18 +141,45 @@ class PagedKVCache:
                     f"block {block_id}: payload of {len(payload)} bytes, expected {self._block_bytes}"
                     f" for layout {self._layout}"
                 )
-        if not block_ids:
-            return
         index = self._index(block_ids)
-        n, size = len(block_ids), self._block_bytes
-        buffer = bytearray(n * size)  # writable, so torch.frombuffer shares it without a copy
-        view = memoryview(buffer)
-        for i, payload in enumerate(payloads):
-            view[i * size : (i + 1) * size] = payload
-        data = torch.frombuffer(buffer, dtype=torch.uint8).view(n, size).to(index.device)
-        for t, offset, nbytes in zip(self._tensors, self._offsets, self._sizes, strict=True):
-            part = data[:, offset : offset + nbytes].view(t.dtype).view(n, *t.shape[1:])
-            t.index_copy_(0, index, part)
+        arrival = KVArrival(self.num_layers)
+        if not block_ids:
+            for layer in range(self.num_layers):
+                arrival.mark_written(layer)
+            return arrival
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-kv-loader")
+        self._loader.submit(self._write_layers, index, payloads, arrival)
+        return arrival
+
+    @torch.no_grad()
+    def _write_layers(self, index: torch.Tensor, payloads: list[bytes], arrival: KVArrival) -> None:
+        try:
+            n = len(payloads)
+            blocks = [np.frombuffer(payload, dtype=np.uint8) for payload in payloads]  # no copies
+            staging = self._staging_for(n * max(self._sizes))
+            first = 0
+            for layer, end in enumerate(self._layer_ends):
+                for t, offset, nbytes in zip(
+                    self._tensors[first:end], self._offsets[first:end], self._sizes[first:end], strict=True
+                ):
+                    # One C-level gather of this tensor's part of every payload; numpy drops the
+                    # GIL while it copies, so the forward on the other thread keeps running.
+                    rows = staging[: n * nbytes].reshape(n, nbytes)
+                    np.stack([block[offset : offset + nbytes] for block in blocks], out=rows)
+                    part = torch.from_numpy(rows).view(t.dtype).view(n, *t.shape[1:])
+                    t.index_copy_(0, index, part.to(t.device))
+                arrival.mark_written(layer)
+                first = end
+        except BaseException as exc:
+            arrival.fail(exc)
+
+    def _staging_for(self, nbytes: int) -> np.ndarray:
+        """The loader's reusable host buffer, grown to `nbytes`: a fresh buffer per load spent
+        more time faulting in its pages than copying into them."""
+        if self._staging.size < nbytes:
+            self._staging = np.empty(nbytes, dtype=np.uint8)
+        return self._staging
 
     def _index(self, block_ids: list[int]) -> torch.Tensor:
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]

@@ -13,6 +13,7 @@ import torch
 from backends.deepinfer.config import EngineConfig
 from backends.deepinfer.forward_batch import DecodePlan, ForwardBatch, PrefillSpan
 from backends.deepinfer.hf_config import HFConfig
+from backends.deepinfer.kv_arrival import KVArrival
 from backends.deepinfer.kv_cache import PagedKVCache
 from backends.deepinfer.layers.attention import Attention
 from backends.deepinfer.layers.mla import MLAttention
@@ -81,6 +82,8 @@ class ModelRunner:
         self.model: CausalLM = model.to(self.dtype).eval()
         load_weights(self.model, self.model_dir)
         self._cache_layers = [m for m in self.model.modules() if isinstance(m, Attention | MLAttention)]
+        for i, layer in enumerate(self._cache_layers):
+            layer.cache_layer = i
         self.kv_bytes_per_token = sum(layer.cache_bytes_per_token(self.dtype) for layer in self._cache_layers)
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory()
         for layer in self._cache_layers:
@@ -125,20 +128,32 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one step; return float32 logits `[S, vocab]` for the chunks with `sample=True`,
-        in chunk order (S may be 0). Every chunk's tokens are written to the KV cache."""
+        in chunk order (S may be 0). Every chunk's tokens are written to the KV cache, and
+        the step's onboarded blocks (`out.loads`) before any layer reads them."""
+        arrival = None
+        if out.loads:
+            arrival = self.kv_cache.start_write(
+                [b.block_id for b in out.loads], [b.payload for b in out.loads]
+            )
         try:
             if self.config.deterministic:
-                parts = [self._forward([chunk]) for chunk in out.chunks]
-                return torch.cat(parts) if parts else self._forward([])
-            return self._forward(out.chunks)
+                parts = [self._forward([chunk], arrival) for chunk in out.chunks]
+                return torch.cat(parts) if parts else self._forward([], arrival)
+            return self._forward(out.chunks, arrival)
         except BaseException:
             self._decode_seqs = []  # the workspaces may be half written
             raise
+        finally:
+            if arrival is not None:
+                # Every block is in before the step ends, whatever ran: the next schedule() may
+                # hand these blocks to other sequences.
+                arrival.wait_all()
 
-    def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def _forward(self, chunks: list[ScheduledChunk], arrival: KVArrival | None) -> torch.Tensor:
         if not chunks:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         batch = self.prepare(chunks)
+        batch.kv_arrival = arrival
         hidden = self.model(batch)
         return self.model.compute_logits(hidden[batch.sample_index]).float()
 

@@ -95,6 +95,7 @@ class Attention(nn.Module):
             head_dim,
             scale,
         )
+        self.cache_layer = 0  # this layer's place among the model's cache layers (KVArrival.wait)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.k_decode = torch.empty(0)  # the decode workspaces, [B, Hk, capacity, d]
@@ -112,6 +113,8 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """q `[T, H, d]`, k and v `[T, Hk, d]` for the batch's tokens -> `[T, H, d]`."""
+        if batch.kv_arrival is not None:
+            batch.kv_arrival.wait(self.cache_layer)
         store(self.k_cache, batch.slot_mapping, k)
         store(self.v_cache, batch.slot_mapping, v)
         out = torch.empty_like(q)

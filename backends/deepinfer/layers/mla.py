@@ -60,6 +60,7 @@ class MLAttention(nn.Module):
         self.scale = qk_dim**-0.5
         if rope["rope_type"] == "yarn" and rope.get("mscale_all_dim"):
             self.scale *= yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2
+        self.cache_layer = 0  # this layer's place among the model's cache layers (KVArrival.wait)
         self.kv_cache = torch.empty(0)
 
     def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
@@ -82,6 +83,8 @@ class MLAttention(nn.Module):
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))
         latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe.squeeze(1)), dim=-1)
+        if batch.kv_arrival is not None:
+            batch.kv_arrival.wait(self.cache_layer)
         store(self.kv_cache, batch.slot_mapping, latent)
 
         out = x.new_empty(tokens, self.num_heads, self.v_dim)

@@ -1,0 +1,45 @@
+"""Onboarded KV arriving in the cache one layer at a time, beside the forward pass.
+
+A prefix hit on a lower tier brings whole blocks (every layer's K and V) back into the cache.
+Written before the forward, the copy adds its full time to the step. Written layer by layer
+on a loader thread (`PagedKVCache.start_write`), layer i's attention waits only for layer
+i's blocks while the loader still writes the layers after it, so the copy hides behind the
+compute of the layers before (LMCache's layer-wise onboarding does the same with CUDA
+streams). On the CPU the two run on two cores: torch releases the GIL in its kernels.
+
+Each layer touches only its own cache tensors, and the layer that waits for its blocks is the
+only user of those tensors in the forward, so the loader and the forward never use one
+tensor at the same time. On CUDA the loader's copies go to the device's default stream,
+ordered before the attention kernels launched after `wait` returns: correct, but overlapping
+only the host-side work; a side stream with events is the GPU version (not built: no GPU here).
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+class KVArrival:
+    """Which layers' arriving blocks are in the cache. The loader marks layers in order."""
+
+    def __init__(self, num_layers: int) -> None:
+        self._written = [threading.Event() for _ in range(num_layers)]
+        self._error: BaseException | None = None
+
+    def mark_written(self, layer: int) -> None:
+        self._written[layer].set()
+
+    def fail(self, error: BaseException) -> None:
+        """The loader stopped: no waiter may hang, and each one raises `error`."""
+        self._error = error
+        for written in self._written:
+            written.set()
+
+    def wait(self, layer: int) -> None:
+        """Until `layer`'s blocks are written; the loader's error if it failed."""
+        self._written[layer].wait()
+        if self._error is not None:
+            raise RuntimeError("loading KV blocks into the cache failed") from self._error
+
+    def wait_all(self) -> None:
+        self.wait(len(self._written) - 1)

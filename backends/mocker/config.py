@@ -33,12 +33,14 @@ class MockerConfig:
     output_length_sigma: float = 0.7  # lognormal's sigma: median = mean * exp(-sigma^2 / 2)
     eos_token_ids: list[int] = field(default_factory=lambda: [0])
     # KV tiers below the simulated device (kvbm): blocks per tier, 0 for none. Onboarding a
-    # block costs its bytes over the tier's bandwidth, added to the step that loads it; the
-    # write-through offload overlaps compute, as it does in a real engine, and costs nothing.
+    # block costs its bytes over the tier's bandwidth, pipelined layer by layer with the step
+    # that loads it (TimingModel.with_loads), as DeepInfer onboards; the write-through offload
+    # overlaps compute, as it does in a real engine, and costs nothing.
     host_cache_blocks: int = 0
     disk_cache_blocks: int = 0
     # Llama-3-8B in bf16: 32 layers x 2 x 8 KV heads x 128 x 2 bytes per token.
     kv_bytes_per_token: int = 131_072
+    num_layers: int = 32
     host_bandwidth_gbps: float = 25.0  # host -> device copies (PCIe 4.0 x16, pinned)
     disk_bandwidth_gbps: float = 5.0  # one local NVMe drive
     remote_bandwidth_gbps: float = 12.5  # a shared store over 100 Gb/s networking
@@ -58,6 +60,8 @@ class MockerConfig:
             self.host_bandwidth_gbps > 0 and self.disk_bandwidth_gbps > 0 and self.remote_bandwidth_gbps > 0
         ):
             raise ValueError("tier bandwidths must be positive")
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be at least 1, got {self.num_layers}")
         if self.context_length <= 0:
             raise ValueError(f"context_length must be positive, got {self.context_length}")
         if not self.output_length_mean >= 1:

@@ -153,8 +153,11 @@ class MockerCore:
                     while token in eos_ids:  # only the drawn length ends a request
                         token = (token + 1) % vocab_size
                 sampled.append(SampledToken(token))
-        duration = self.timing.step_ms(prefill_tokens, decoding, self.kv_cache.usage)
-        duration += sum(self._load_ms[load.tier] for load in out.loads)
+        duration = self.timing.with_loads(
+            self.timing.step_ms(prefill_tokens, decoding, self.kv_cache.usage),
+            sum(self._load_ms[load.tier] for load in out.loads),
+            self.config.num_layers,
+        )
         self.clock_ms += duration
         outputs: list[RequestOutput] = []
         results = self.scheduler.postprocess(out, sampled)

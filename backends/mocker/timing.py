@@ -55,6 +55,16 @@ class TimingModel:
         each decoding sequence."""
         return self.prefill(prefill_tokens) + (self.decode(kv_usage) if decoding else 0.0)
 
+    @staticmethod
+    def with_loads(compute_ms: float, load_ms: float, num_layers: int) -> float:
+        """A step of `compute_ms` whose onboarded KV (`load_ms` of copies) arrives a layer at a
+        time, as DeepInfer's does: layer i computes once its own blocks are in and layer i - 1
+        is done, and the copies run one after another. A two-stage pipeline over the layers:
+        the slower stage's whole time plus one layer of the other."""
+        if not load_ms:
+            return compute_ms
+        return max(load_ms + compute_ms / num_layers, compute_ms + load_ms / num_layers)
+
     @classmethod
     def from_json(cls, path: str | Path) -> TimingModel:
         try:

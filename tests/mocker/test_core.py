@@ -10,6 +10,7 @@ import pytest
 
 from backends.mocker.config import MockerConfig
 from backends.mocker.core import MockerCore, RequestOutput
+from backends.mocker.timing import TimingModel
 from orchestrator.runtime.protocol import (
     AllCleared,
     BlockRemoved,
@@ -298,3 +299,23 @@ def test_a_migrated_request_continues_exactly(seed: int | None, ignore_eos: bool
 def drain_one(core: MockerCore, req: WorkerRequest) -> list[RequestOutput]:
     core.add(req)
     return drain(core)[req.request_id]
+
+
+def test_a_host_tier_hit_loads_behind_the_step() -> None:
+    """A prefix evicted from the device comes back from the host tier, its copy pipelined
+    with the step's layers: the step costs the pipelined time, less than compute + copy."""
+    config = MockerConfig(num_blocks=40, host_cache_blocks=1000)
+    core = MockerCore(config)
+    prompt = list(range(20 * 64))
+    core.add(request("a", prompt=prompt, max_tokens=1))
+    drain(core)
+    core.add(request("evict", prompt=list(range(5000, 5000 + 40 * 64 - 8)), max_tokens=8))
+    drain(core)
+    core.add(request("again", prompt=[*prompt, *range(9000, 9064)], max_tokens=1))
+    step = core.step()
+    [out] = step.outputs
+    assert out.usage is not None and out.usage.cached_tokens == 20 * 64
+    compute = core.timing.prefill(64)
+    load = 20 * config.kv_bytes_per_token * 64 / (config.host_bandwidth_gbps * 1e6)
+    assert step.duration_ms == pytest.approx(TimingModel.with_loads(compute, load, config.num_layers))
+    assert step.duration_ms < compute + load

@@ -59,3 +59,14 @@ def test_bad_timing_files_are_refused(tmp_path: Path, text: str) -> None:
 def test_a_missing_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cannot read timing model"):
         TimingModel.from_json(tmp_path / "nope.json")
+
+
+def test_loads_pipeline_with_the_layers_of_the_step() -> None:
+    with_loads = TimingModel.with_loads
+    assert with_loads(20.0, 0.0, 32) == 20.0
+    # Compute-bound: one layer's copy before the first layer can start, the rest hidden.
+    assert with_loads(20.0, 10.0, 4) == pytest.approx(22.5)
+    # Copy-bound: the whole copy, then the last layer's compute.
+    assert with_loads(4.0, 40.0, 4) == pytest.approx(41.0)
+    # One layer: nothing to overlap with.
+    assert with_loads(20.0, 10.0, 1) == pytest.approx(30.0)

@@ -15,17 +15,25 @@ timing the two back to back keeps that drift out of the ratio. Every figure coun
 payload bytes (the raw passes move the same slots and values as the stores, headers and
 padding included), so a ratio is a ratio of blocks per second.
 
+Onboarding runs on the transfer engine's pool of threads, so the disk and Redis reads are
+timed once more that way: the same blocks read back as transfer jobs of `--batch` blocks
+each (a disk `get` per block, one Redis `get_many` per job) on `--workers` threads, from the
+first submit until the pool is idle. pool_speedup_<tier>_get is that figure against the
+store's single-thread one.
+
 Buffered disk I/O reads back from the page cache, so `disk_direct: false` figures are
 memory speeds, not the disk's. Redis runs on this machine (its own redis-server on a free
 port unless `--redis-url` is given), so its figures are the client's and the loopback's
 limits, not a network's.
 
-    python benchmarks/kvbm_tiers.py [--block-bytes 65536] [--mib 256] [--batch 32] [--redis-url URL]
+    python benchmarks/kvbm_tiers.py [--block-bytes 65536] [--mib 256] [--batch 32] [--workers 4]
+        [--redis-url URL]
 
-Final JSON line: block_bytes, blocks, disk_direct, and in GB/s: memcpy, memcpy_out,
-disk_raw_write, disk_raw_read, redis_raw_set, redis_raw_get, host_put, host_get, disk_put,
-disk_get, redis_put_many, redis_get_many; then ratio_<tier>_<op> = store / raw (host_get
-against memcpy_out, host_put against memcpy).
+Final JSON line: block_bytes, blocks, pool_workers, disk_direct, and in GB/s: memcpy,
+memcpy_out, disk_raw_write, disk_raw_read, redis_raw_set, redis_raw_get, host_put, host_get,
+disk_put, disk_get, disk_get_pool, redis_put_many, redis_get_many, redis_get_many_pool; then
+ratio_<tier>_<op> = store / raw (host_get against memcpy_out, host_put against memcpy) and
+pool_speedup_disk_get, pool_speedup_redis_get.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import redis
@@ -48,6 +57,7 @@ from kvbm import records
 from kvbm.disk import DiskStore, slot_bytes
 from kvbm.redis_store import RedisStore
 from kvbm.stores import HostStore
+from kvbm.transfer import TransferEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # for tests.servers, which starts the redis-server
@@ -80,6 +90,27 @@ def each(n: int, op: Callable[[int], object]) -> None:
 def batches(n: int, size: int) -> Iterator[range]:
     for start in range(0, n, size):
         yield range(start, min(start + size, n))
+
+
+def pooled(
+    nbytes: int, n: int, batch: int, workers: int, repeat: int, read: Callable[[range], object]
+) -> float:
+    """The best of `repeat` passes reading blocks 0..n-1 as transfer jobs of `batch` blocks
+    (`read(hashes)`) on a pool of `workers` threads, GB/s."""
+
+    def job(hashes: range) -> None:
+        read(hashes)
+
+    best = float("inf")
+    for _ in range(repeat):
+        transfer = TransferEngine(max_pending=n, workers=workers)
+        started = time.perf_counter()
+        for hashes in batches(n, batch):
+            assert transfer.submit(partial(job, hashes))
+        assert transfer.wait_idle()
+        best = min(best, time.perf_counter() - started)
+        transfer.close()
+    return nbytes / best / 1e9
 
 
 def host_tier(payloads: list[bytes], n: int, repeat: int) -> dict[str, float]:
@@ -119,7 +150,9 @@ def open_direct(path: Path) -> tuple[int, bool]:
         return os.open(path, os.O_RDWR | os.O_CREAT, 0o644), False
 
 
-def disk_tier(directory: Path, payloads: list[bytes], n: int, repeat: int) -> dict[str, float | bool]:
+def disk_tier(
+    directory: Path, payloads: list[bytes], n: int, batch: int, workers: int, repeat: int
+) -> dict[str, float | bool]:
     """Whole-slot writes and reads, as DiskStore does them, without records or an index."""
     size = len(payloads[0])
     slot = slot_bytes(size)
@@ -143,6 +176,9 @@ def disk_tier(directory: Path, payloads: list[bytes], n: int, repeat: int) -> di
             lambda _: each(n, lambda i: store.get(last + i)),
         )
         assert all(store.get(last + i) == payloads[i % DISTINCT] for i in range(0, n, max(1, n // 16)))
+        pool = pooled(
+            n * size, n, batch, workers, repeat, lambda hashes: [store.get(last + i) for i in hashes]
+        )
     finally:
         os.close(fd)
         buffer.close()
@@ -153,10 +189,13 @@ def disk_tier(directory: Path, payloads: list[bytes], n: int, repeat: int) -> di
         "disk_raw_read_GBps": raw_read,
         "disk_put_GBps": put,
         "disk_get_GBps": get,
+        "disk_get_pool_GBps": pool,
     }
 
 
-def redis_tier(url: str, payloads: list[bytes], n: int, batch: int, repeat: int) -> dict[str, float]:
+def redis_tier(
+    url: str, payloads: list[bytes], n: int, batch: int, workers: int, repeat: int
+) -> dict[str, float]:
     client = redis.Redis.from_url(url)
     store = RedisStore(url, LAYOUT, len(payloads[0]))
     value = b"\0" * records.HEADER_BYTES + payloads[0]
@@ -186,6 +225,7 @@ def redis_tier(url: str, payloads: list[bytes], n: int, batch: int, repeat: int)
     nbytes = n * len(payloads[0])
     raw_set_gbps, put = paired(nbytes, repeat, raw_set, put_many)
     raw_get_gbps, get = paired(nbytes, repeat, raw_get, get_many)
+    pool = pooled(nbytes, n, batch, workers, repeat, store.get_many)
     assert store.available and store.get_many([n - 1]) == [payloads[(n - 1) % DISTINCT]]
     client.flushall()
     client.close()
@@ -195,6 +235,7 @@ def redis_tier(url: str, payloads: list[bytes], n: int, batch: int, repeat: int)
         "redis_raw_get_GBps": raw_get_gbps,
         "redis_put_many_GBps": put,
         "redis_get_many_GBps": get,
+        "redis_get_many_pool_GBps": pool,
     }
 
 
@@ -219,13 +260,20 @@ RATIOS = {  # name: (store, raw)
 }
 
 
+POOLED = {  # tier: (pooled read, single-thread read)
+    "disk": ("disk_get_pool_GBps", "disk_get_GBps"),
+    "redis": ("redis_get_many_pool_GBps", "redis_get_many_GBps"),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--block-bytes", type=int, default=64 * 1024, help=f"SmolLM2-135M's is {SMOLLM2_BLOCK}"
     )
     parser.add_argument("--mib", type=int, default=256, help="bytes moved per pass of each measurement")
-    parser.add_argument("--batch", type=int, default=32, help="blocks per Redis pipeline")
+    parser.add_argument("--batch", type=int, default=32, help="blocks per Redis pipeline and per pooled read")
+    parser.add_argument("--workers", type=int, default=4, help="transfer threads for the pooled reads")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--redis-url", help="an existing Redis (it is FLUSHALLed); default: start one")
     parser.add_argument(
@@ -236,13 +284,15 @@ def main() -> None:
     size: int = args.block_bytes
     n = max(1, args.mib * 2**20 // size)
     payloads = [os.urandom(size) for _ in range(DISTINCT)]
-    figures: dict[str, float | int | bool] = {"block_bytes": size, "blocks": n}
+    figures: dict[str, float | int | bool] = {"block_bytes": size, "blocks": n, "pool_workers": args.workers}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp, redis_url(args.redis_url, Path(tmp)) as url:
         figures |= host_tier(payloads, n, args.repeat)
-        figures |= disk_tier(Path(tmp), payloads, n, args.repeat)
-        figures |= redis_tier(url, payloads, n, args.batch, args.repeat)
+        figures |= disk_tier(Path(tmp), payloads, n, args.batch, args.workers, args.repeat)
+        figures |= redis_tier(url, payloads, n, args.batch, args.workers, args.repeat)
     for name, (store, raw) in RATIOS.items():
         figures[f"ratio_{name}"] = figures[store] / figures[raw]
+    for tier, (pool, single) in POOLED.items():
+        figures[f"pool_speedup_{tier}_get"] = figures[pool] / figures[single]
     rounded = {k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}
 
     io = "O_DIRECT" if figures["disk_direct"] else "buffered"
@@ -252,6 +302,11 @@ def main() -> None:
         print(
             f"{name:<10}{raw.removesuffix('_GBps'):>20}{rounded[raw]:>8}"
             f"{store.removesuffix('_GBps'):>20}{rounded[store]:>8}{rounded[f'ratio_{name}']:>11}"
+        )
+    for tier, (pool, single) in POOLED.items():
+        print(
+            f"{tier} get on {args.workers} transfer threads: {rounded[pool]} GB/s,"
+            f" {rounded[f'pool_speedup_{tier}_get']}x one thread's {rounded[single]}"
         )
     print(json.dumps(rounded))
 

@@ -15,6 +15,16 @@ a restart; the blocks found at open start out in slot order.
 A full disk is not an error for a cache. If the preallocation is refused the file stays
 sparse, and a slot whose write then fails for want of space is retired: the store shrinks to
 what the disk holds and goes on evicting within that.
+
+The store is called from several threads at once (the transfer engine's pool, and the step
+thread asking what it holds). Reads and writes are positioned (`preadv`, `pwrite`), each
+into a buffer of its own, so I/O on distinct slots runs in parallel; only the index, the
+free list and the count of reads in flight on each slot are under one lock, never held
+across I/O. A slot is owned by one party at a time: free, being written (by the put that
+claimed it; its block is in the index only once the write is done), or holding a block.
+A slot with a read in flight is never claimed for a write, and a block forgotten while it
+is being read (`discard`, or a failed check) keeps its slot until the last read of it ends,
+so no read ever sees bytes change under it.
 """
 
 from __future__ import annotations
@@ -23,7 +33,10 @@ import errno
 import logging
 import mmap
 import os
+import threading
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from kvbm import records
@@ -63,12 +76,13 @@ class DiskStore:
         self.slot_bytes = slot_bytes(block_bytes)
         self.path = directory / f"kv-{layout:016x}.slab"
         self._no_space = ThrottledWarning(log, every_s=60.0)
-        # O_DIRECT needs the memory side aligned too: an anonymous mmap is page-aligned.
-        self._buffer = mmap.mmap(-1, self.slot_bytes)
-        self._view = memoryview(self._buffer)
         directory.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
         self._slots: OrderedDict[int, int] = OrderedDict()  # seq_hash -> slot, LRU first
         self._free: list[int] = []
+        self._reading: dict[int, int] = {}  # slot -> reads of it in flight
+        self._dropped: set[int] = set()  # slots forgotten while being read: the last read frees them
+        self._buffers: list[mmap.mmap] = []  # idle I/O buffers, one per I/O that ever ran at once
         self._fd, self.direct = self._open(o_direct)
         self._preallocate()
         try:
@@ -103,19 +117,33 @@ class DiskStore:
                 raise
             self._no_space("%s: no space for %d bytes of KV slots, storing what fits", self.path, size)
 
+    @contextmanager
+    def _buffer(self) -> Iterator[memoryview]:
+        """A slot-sized buffer for one I/O, used by no other thread meanwhile. O_DIRECT needs
+        the memory side aligned too: an anonymous mmap is page-aligned."""
+        with self._lock:
+            buffer = self._buffers.pop() if self._buffers else mmap.mmap(-1, self.slot_bytes)
+        try:
+            with memoryview(buffer) as view:
+                yield view
+        finally:
+            with self._lock:
+                self._buffers.append(buffer)
+
     def _scan(self) -> None:
         """Rebuild the index from the slots' headers; a slot whose header does not name a
         block of this layout and size (or names one already found) is free."""
         self._slots.clear()
         self._free.clear()
-        header = self._view[:ALIGN]
-        for slot in range(self.capacity_blocks):
-            got = os.preadv(self._fd, [header], slot * self.slot_bytes)
-            seq_hash = self._header_hash(header[:got])
-            if seq_hash is None or seq_hash in self._slots:
-                self._free.append(slot)
-            else:
-                self._slots[seq_hash] = slot
+        with self._buffer() as view:
+            header = view[:ALIGN]
+            for slot in range(self.capacity_blocks):
+                got = os.preadv(self._fd, [header], slot * self.slot_bytes)
+                seq_hash = self._header_hash(header[:got])
+                if seq_hash is None or seq_hash in self._slots:
+                    self._free.append(slot)
+                else:
+                    self._slots[seq_hash] = slot
         self._free.reverse()  # pop() hands out the lowest slot first
 
     def _header_hash(self, header: memoryview) -> int | None:
@@ -127,79 +155,144 @@ class DiskStore:
         return int(seq_hash)
 
     def __len__(self) -> int:
-        return len(self._slots)
+        with self._lock:
+            return len(self._slots)
 
     def __contains__(self, seq_hash: int) -> bool:
-        return seq_hash in self._slots
+        with self._lock:
+            return seq_hash in self._slots
 
     def get(self, seq_hash: int) -> bytes | None:
-        slot = self._slots.get(seq_hash)
+        slot = self._pin(seq_hash)
         if slot is None:
             return None
-        got = os.preadv(self._fd, [self._view], slot * self.slot_bytes)
-        payload = records.decode(self._view[:got], seq_hash, self.layout)
-        if payload is None:
-            log.warning("%s: block %016x in slot %d failed its check, dropped", self.path, seq_hash, slot)
-            self.discard(seq_hash)
-            return None
-        self._slots.move_to_end(seq_hash)
+        payload = None
+        try:
+            with self._buffer() as view:
+                got = os.preadv(self._fd, [view], slot * self.slot_bytes)
+                payload = records.decode(view[:got], seq_hash, self.layout)
+            if payload is None:
+                log.warning("%s: block %016x in slot %d failed its check, dropped", self.path, seq_hash, slot)
+        finally:  # a block that could not be read intact is dropped
+            self._end_read(slot, seq_hash if payload is None else None)
         return payload
+
+    def _pin(self, seq_hash: int) -> int | None:
+        """The block's slot, which becomes the most recently used and is not reused until
+        `_end_read`: a read of it is in flight in between. None on a miss."""
+        with self._lock:
+            slot = self._slots.get(seq_hash)
+            if slot is None:
+                return None
+            self._slots.move_to_end(seq_hash)
+            self._reading[slot] = self._reading.get(slot, 0) + 1
+            return slot
+
+    def _end_read(self, slot: int, drop: int | None) -> None:
+        """A read of `slot` is over; `drop` is the block it held, when that failed its check.
+        The last read of a slot whose block was forgotten meanwhile wipes and frees it."""
+        with self._lock:
+            if drop is not None and self._slots.get(drop) == slot:
+                del self._slots[drop]
+                self._dropped.add(slot)
+            left = self._reading.pop(slot) - 1
+            if left:
+                self._reading[slot] = left
+                return
+            if slot not in self._dropped:
+                return
+            self._dropped.remove(slot)
+        self._wipe(slot)
 
     def put(self, seq_hash: int, payload: bytes) -> list[int]:
         """Store a block; a disk too full to take it stores nothing (the evicted hashes are
         still returned: those blocks are gone)."""
-        if seq_hash in self._slots:
-            self._slots.move_to_end(seq_hash)
+        with self._lock:
+            if seq_hash in self._slots:
+                self._slots.move_to_end(seq_hash)
+                return []
+            if len(payload) != self.block_bytes:
+                raise ValueError(f"a block is {self.block_bytes} bytes here, got {len(payload)}")
+            claimed = self._claim()
+        if claimed is None:
             return []
-        if len(payload) != self.block_bytes:
-            raise ValueError(f"a block is {self.block_bytes} bytes here, got {len(payload)}")
-        evicted: list[int] = []
-        if not self._free:
-            if not self._slots:
-                return []  # every slot retired: the disk holds not one block
-            old, slot = self._slots.popitem(last=False)
-            self._free.append(slot)
-            evicted.append(old)
-        slot = self._free.pop()
+        slot, old = claimed
+        evicted = [] if old is None else [old]
         record = records.encode(seq_hash, self.layout, payload)
-        self._view[: len(record)] = record
-        if self._write(slot, self.slot_bytes):
-            self._slots[seq_hash] = slot
+        with self._buffer() as view:
+            view[: len(record)] = record
+            written = self._write(slot, view)
+        if written:
+            with self._lock:
+                if seq_hash in self._slots:  # a concurrent put of the same block ended first
+                    self._free.append(slot)
+                else:
+                    self._slots[seq_hash] = slot
         return evicted
 
-    def _write(self, slot: int, length: int) -> bool:
-        """Write the buffer's first `length` bytes to `slot`; False, and the slot retired,
-        when the disk is full (a short write is one that ran out of space)."""
+    def _claim(self) -> tuple[int, int | None] | None:
+        """Under the lock: a slot to write and the block evicted for it, if any. A free slot,
+        or the least recently used block's that no read is in flight on; None when every
+        slot is retired or being read."""
+        if self._free:
+            return self._free.pop(), None
+        for old, slot in self._slots.items():
+            if slot not in self._reading:
+                del self._slots[old]
+                return slot, old
+        return None
+
+    def _write(self, slot: int, data: memoryview) -> bool:
+        """Write `data` to `slot` (which the caller owns); False, and the slot retired, when
+        the disk is full (a short write is one that ran out of space)."""
         try:
-            written = os.pwrite(self._fd, self._view[:length], slot * self.slot_bytes)
+            written = os.pwrite(self._fd, data, slot * self.slot_bytes)
         except OSError as e:
             if e.errno not in _NO_SPACE:
                 raise
             written = -1
-        if written != length:
+        if written == len(data):
+            return True
+        with self._lock:
             self.capacity_blocks -= 1
-            self._no_space("%s: disk full, now %d KV slots", self.path, self.capacity_blocks)
-            return False
-        return True
+            capacity = self.capacity_blocks
+        self._no_space("%s: disk full, now %d KV slots", self.path, capacity)
+        return False
 
     def discard(self, seq_hash: int) -> None:
         """Forget the block, and wipe its header so that a reopen does not find it again."""
-        slot = self._slots.pop(seq_hash, None)
-        if slot is None:
-            return
-        self._view[:ALIGN] = bytes(ALIGN)
-        if self._write(slot, ALIGN):
-            self._free.append(slot)
+        with self._lock:
+            slot = self._slots.pop(seq_hash, None)
+            if slot is None:
+                return
+            if slot in self._reading:  # the last read of it wipes it (_end_read)
+                self._dropped.add(slot)
+                return
+        self._wipe(slot)
+
+    def _wipe(self, slot: int) -> None:
+        """Zero the header of a slot no one else holds, then free it."""
+        with self._buffer() as view:
+            view[:ALIGN] = bytes(ALIGN)
+            written = self._write(slot, view[:ALIGN])
+        if written:
+            with self._lock:
+                self._free.append(slot)
 
     def hashes(self) -> list[int]:
-        return list(self._slots)
+        with self._lock:
+            return list(self._slots)
 
     def close(self) -> None:
-        if self._fd < 0:
-            return
-        os.close(self._fd)
-        self._fd = -1
-        self._slots.clear()
-        self._free.clear()
-        self._view.release()
-        self._buffer.close()
+        """After the threads that use the store have stopped (TieredStore closes its transfer
+        engine first)."""
+        with self._lock:
+            if self._fd < 0:
+                return
+            os.close(self._fd)
+            self._fd = -1
+            self._slots.clear()
+            self._free.clear()
+            for buffer in self._buffers:
+                buffer.close()
+            self._buffers.clear()

@@ -16,12 +16,22 @@ next call sends a PING and switches the store back on if it is answered. redis-p
 retries are turned off so that a call fails within `timeout_s`. A command Redis refuses
 (out of memory under a noeviction policy) is a miss too, with a warning a minute at most,
 but leaves the store on: the server is there, it is only full.
+
+The transfer engine calls the store from several threads at once, so that several pipelines
+are in flight. The client is shared: redis-py takes a connection from the client's pool for
+each command or pipeline and gives it back after, so concurrent calls use their own
+connections (the pool opens one per call in flight) and a pipeline is never shared. The
+on/off state is under a lock: of the calls that fail together only the first switches the
+store off and warns, and once the back-off has passed one call sends the PING while the
+others stay misses.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
@@ -29,7 +39,7 @@ from typing import TypeVar
 import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -61,6 +71,7 @@ class RedisStore:
         self.ttl_s = ttl_s
         self.available = True
         self._prefix = f"weir:kv:{layout:016x}:"
+        self._state = threading.Lock()  # available, _backoff_s, _retry_at
         self._backoff_s = 0.0
         self._retry_at = 0.0
         self._refused = ThrottledWarning(log, every_s=60.0)
@@ -146,6 +157,7 @@ class RedisStore:
 
     def _call(self, op: Callable[[redis.Redis], _T], miss: _T) -> _T:
         """`op(client)`, or `miss` while Redis is unreachable (and when it turns out to be)."""
+        # `available` is read without the lock: a stale value costs one miss or one failed call.
         if not self.available and not self._recovered():
             return miss
         try:
@@ -154,23 +166,32 @@ class RedisStore:
             self._refused("KV store %s refused a command: %s", self.url, e)
             return miss
         except (RedisConnectionError, RedisTimeoutError) as e:
-            self.available = False
-            self._backoff_s = BACKOFF_START_S
-            self._retry_at = time.monotonic() + self._backoff_s
+            with self._state:
+                if not self.available:  # a concurrent call found it first, and warned
+                    return miss
+                self.available = False
+                self._backoff_s = BACKOFF_START_S
+                self._retry_at = time.monotonic() + self._backoff_s
             log.warning("KV store %s unreachable (%s): remote tier off until it answers again", self.url, e)
             return miss
 
     def _recovered(self) -> bool:
-        """Once the back-off has passed, PING; on an answer the store is back on, otherwise
-        the back-off doubles."""
-        if time.monotonic() < self._retry_at:
-            return False
+        """Once the back-off has passed, PING (one call does; the others meanwhile are
+        misses); on an answer the store is back on, otherwise the back-off doubles."""
+        with self._state:
+            if self.available:
+                return True
+            if time.monotonic() < self._retry_at:
+                return False
+            self._retry_at = math.inf  # this call probes
         try:
             self._client.ping()
-        except (RedisConnectionError, RedisTimeoutError):
-            self._backoff_s = min(self._backoff_s * 2, BACKOFF_MAX_S)
-            self._retry_at = time.monotonic() + self._backoff_s
+        except RedisError:  # any failure, or the probe would never be sent again
+            with self._state:
+                self._backoff_s = min(self._backoff_s * 2, BACKOFF_MAX_S)
+                self._retry_at = time.monotonic() + self._backoff_s
             return False
-        self.available = True
+        with self._state:
+            self.available = True
         log.info("KV store %s answers again: remote tier back on", self.url)
         return True

@@ -16,15 +16,19 @@ Policy, learned from NVIDIA Dynamo's KVBM and LMCache without copying either:
   for blocks it can load (router/cost.py), and a G4 block for every worker of the model.
 
 - Host memory is read and written on the engine's step thread (a memory copy). With a
-  `TransferEngine`, everything the disk and the remote store do runs on its thread instead:
-  offloads are queued (and skipped when the queue is full), and a prefix that continues on
-  a slow tier is read there while its sequence waits (`Fetch.running`), so a step never
-  waits for a disk or a network. Without one (the mocker, which moves no bytes) they run
-  inline.
+  `TransferEngine`, everything the disk and the remote store do runs on its pool of threads
+  instead: offloads are queued (and skipped when the queue is full), and a prefix that
+  continues on a slow tier is read there while its sequence waits (`Fetch.running`), so a
+  step never waits for a disk or a network. Reads for several sequences and Redis writes
+  run at once (one sequence has one read at a time); disk writes run one at a time, each
+  with its events, so that the events of a block stored by one write and evicted by another
+  come in the order the disk did both. Without an engine (the mocker, which moves no bytes)
+  all of it runs inline.
 
 A block a tier cannot return intact is a miss (the engine recomputes it), counted in
 `weir_kvbm_errors_total`. Nothing here touches torch: payloads are bytes (none at all in the
-mocker's simulated stores, which keep only hashes).
+mocker's simulated stores, which keep only hashes). Every metric carries this store's
+`worker` label (metrics.py), built from `name`.
 """
 
 from __future__ import annotations
@@ -69,7 +73,9 @@ class TieredStore:
         remote: RemoteStore | None = None,
         disk_min_reuse: int = 1,
         transfer: TransferEngine | None = None,
+        name: str = "kvbm",
     ) -> None:
+        self.worker = metrics.worker_label(name)
         self.host = host
         self.disk = disk
         self.remote = remote
@@ -82,6 +88,7 @@ class TieredStore:
         self._reuse_limit = 2 * sum(min(s.capacity_blocks, 1 << 22) for s in self.stores)
         self._events: list[KvEvent] = []
         self._events_lock = threading.Lock()  # transfer jobs add events too
+        self._disk_writes = threading.Lock()  # one disk write at a time (module docstring)
 
     # ------------------------------------------------------------------ device -> tiers
 
@@ -98,7 +105,7 @@ class TieredStore:
         if not fresh:
             return
         self._stored("host", [seq_hash for seq_hash, _ in fresh])
-        metrics.TRANSFER_SECONDS.labels("host", "offload").observe(time.perf_counter() - started)
+        metrics.TRANSFER_SECONDS.labels(self.worker, "host", "offload").observe(time.perf_counter() - started)
         if self.remote is not None:
             self._slow(partial(self._write_remote, fresh))
 
@@ -116,13 +123,14 @@ class TieredStore:
     def _write_disk(self, seq_hash: int, payload: bytes) -> None:
         disk = self.disk
         assert disk is not None
-        if seq_hash in disk:
-            return
-        evicted = disk.put(seq_hash, payload)
-        if evicted:
-            self._event(BlockRemoved(seq_hashes=evicted, tier="disk"))
-        if seq_hash in disk:  # a full disk stores nothing: no event for it
-            self._stored("disk", [seq_hash])
+        with self._disk_writes:
+            if seq_hash in disk:
+                return
+            evicted = disk.put(seq_hash, payload)
+            if evicted:
+                self._event(BlockRemoved(seq_hashes=evicted, tier="disk"))
+            if seq_hash in disk:  # a full disk stores nothing: no event for it
+                self._stored("disk", [seq_hash])
 
     def _write_remote(self, blocks: list[tuple[int, bytes]]) -> None:
         remote = self.remote
@@ -131,7 +139,9 @@ class TieredStore:
         remote.put_many(blocks)
         if remote.available:
             self._stored("remote", [seq_hash for seq_hash, _ in blocks])
-            metrics.TRANSFER_SECONDS.labels("remote", "offload").observe(time.perf_counter() - started)
+            metrics.TRANSFER_SECONDS.labels(self.worker, "remote", "offload").observe(
+                time.perf_counter() - started
+            )
 
     # ------------------------------------------------------------------ tiers -> device
 
@@ -163,11 +173,11 @@ class TieredStore:
         return found, False
 
     def _from_host(self, seq_hash: int) -> tuple[Tier, bytes] | None:
-        metrics.LOOKUPS.labels("host").inc()
+        metrics.LOOKUPS.labels(self.worker, "host").inc()
         payload = self.host.get(seq_hash)
         if payload is None:
             return None
-        metrics.HITS.labels("host").inc()
+        metrics.HITS.labels(self.worker, "host").inc()
         return "host", payload
 
     def _slow_may_hold(self, seq_hash: int) -> bool:
@@ -176,7 +186,7 @@ class TieredStore:
 
     def _read_slow(self, hashes: list[int], fetch: Fetch) -> None:
         """Read `hashes` in order from disk, then the rest from the remote store, up to the
-        first block neither returns intact. On the transfer thread when there is one."""
+        first block neither returns intact. On a transfer thread when there is one."""
         ran_out = False
         try:
             i = 0
@@ -194,14 +204,17 @@ class TieredStore:
             fetch.running = False
 
     def _read(self, store: KvStore, seq_hash: int) -> bytes | None:
-        metrics.LOOKUPS.labels(store.tier).inc()
+        metrics.LOOKUPS.labels(self.worker, store.tier).inc()
         started = time.perf_counter()
         payload = store.get(seq_hash)
-        if payload is None:  # held, but not intact (or the store just went away)
-            metrics.ERRORS.labels(store.tier).inc()
+        # Held, but not intact (or the store just went away, or a concurrent write evicted it).
+        if payload is None:
+            metrics.ERRORS.labels(self.worker, store.tier).inc()
             return None
-        metrics.HITS.labels(store.tier).inc()
-        metrics.TRANSFER_SECONDS.labels(store.tier, "onboard").observe(time.perf_counter() - started)
+        metrics.HITS.labels(self.worker, store.tier).inc()
+        metrics.TRANSFER_SECONDS.labels(self.worker, store.tier, "onboard").observe(
+            time.perf_counter() - started
+        )
         return payload
 
     def _read_remote(self, hashes: list[int], fetch: Fetch) -> int:
@@ -210,13 +223,15 @@ class TieredStore:
         assert remote is not None
         started = time.perf_counter()
         payloads = remote.get_many(hashes)
-        metrics.TRANSFER_SECONDS.labels("remote", "onboard").observe(time.perf_counter() - started)
+        metrics.TRANSFER_SECONDS.labels(self.worker, "remote", "onboard").observe(
+            time.perf_counter() - started
+        )
         n = 0
         for seq_hash, payload in zip(hashes, payloads, strict=True):
-            metrics.LOOKUPS.labels("remote").inc()
+            metrics.LOOKUPS.labels(self.worker, "remote").inc()
             if payload is None:
                 break
-            metrics.HITS.labels("remote").inc()
+            metrics.HITS.labels(self.worker, "remote").inc()
             fetch.found[seq_hash] = ("remote", payload)
             n += 1
         return n
@@ -226,8 +241,8 @@ class TieredStore:
         and keep those read from a slow tier in host memory, so the next hit is a copy."""
         promoted: list[int] = []
         for seq_hash, tier, payload in blocks:
-            metrics.ONBOARD_BLOCKS.labels(tier).inc()
-            metrics.ONBOARD_BYTES.labels(tier).inc(len(payload) or self.block_bytes)
+            metrics.ONBOARD_BLOCKS.labels(self.worker, tier).inc()
+            metrics.ONBOARD_BYTES.labels(self.worker, tier).inc(len(payload) or self.block_bytes)
             self._reuse[seq_hash] = self._reuse.pop(seq_hash, 0) + 1
             if tier != "host" and seq_hash not in self.host:
                 self._make_host_room()
@@ -244,7 +259,7 @@ class TieredStore:
         if self.transfer is None:
             job()
         elif not self.transfer.submit(job):
-            metrics.SKIPPED.inc()
+            metrics.SKIPPED.labels(self.worker).inc()
 
     def _event(self, event: KvEvent) -> None:
         with self._events_lock:
@@ -252,14 +267,14 @@ class TieredStore:
 
     def _stored(self, tier: Tier, hashes: list[int]) -> None:
         self._event(BlockStored(blocks=hashes, tier=tier))
-        metrics.OFFLOAD_BLOCKS.labels(tier).inc(len(hashes))
-        metrics.OFFLOAD_BYTES.labels(tier).inc(len(hashes) * self.block_bytes)
+        metrics.OFFLOAD_BLOCKS.labels(self.worker, tier).inc(len(hashes))
+        metrics.OFFLOAD_BYTES.labels(self.worker, tier).inc(len(hashes) * self.block_bytes)
 
     def take_events(self) -> list[KvEvent]:
         with self._events_lock:
             events, self._events = self._events, []
         for store in self.stores:
-            metrics.BLOCKS.labels(store.tier).set(len(store))
+            metrics.BLOCKS.labels(self.worker, store.tier).set(len(store))
         return events
 
     def capacities(self) -> dict[str, int]:

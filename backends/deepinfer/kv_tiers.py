@@ -3,6 +3,8 @@
 Blocks are keyed by a layout id made of the served model's name and the cache's layout
 (dtype, block size, every layer's per-block shape), so two workers of one model share G4
 blocks and a worker of another model, or of the same model in another dtype, never loads them.
+The tiers' metrics are labelled `worker="<served model>-<n>"` (kvbm/metrics.py): the engine
+has no worker id yet when it builds them, and n tells apart the engines of one process.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ def build_tiers(config: EngineConfig, cache: PagedKVCache) -> TieredStore | None
     if not config.host_cache_gb:
         return None
     block_bytes = cache.block_bytes
-    layout = records.layout_id(config.served_model_name or Path(config.model).name, cache.layout)
+    name = config.served_model_name or Path(config.model).name
+    layout = records.layout_id(name, cache.layout)
     host_blocks = int(config.host_cache_gb * 2**30) // block_bytes
     if host_blocks < 1:
         raise ValueError(f"host_cache_gb={config.host_cache_gb} holds no KV block of {block_bytes} bytes")
@@ -38,5 +41,10 @@ def build_tiers(config: EngineConfig, cache: PagedKVCache) -> TieredStore | None
     # Disk and network I/O off the step thread; host memory alone needs no thread.
     transfer = TransferEngine() if disk is not None or remote is not None else None
     return TieredStore(
-        host, disk=disk, remote=remote, disk_min_reuse=config.disk_cache_min_reuse, transfer=transfer
+        host,
+        disk=disk,
+        remote=remote,
+        disk_min_reuse=config.disk_cache_min_reuse,
+        transfer=transfer,
+        name=name,
     )

@@ -46,8 +46,9 @@ def _finish(engine: Engine) -> dict[str, SeqOutput]:
     return final
 
 
-def _onboarded(tier: str) -> float:
-    return metrics.ONBOARD_BLOCKS.labels(tier)._value.get()
+def _onboarded(engine: Engine, tier: str) -> float:
+    assert engine.tiers is not None
+    return metrics.ONBOARD_BLOCKS.labels(engine.tiers.worker, tier)._value.get()
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +76,10 @@ def test_an_evicted_prefix_comes_back_from_host_memory(
     assert tokens == prompt(rng, 64)
     run(engine, [request("a", tokens)])
     _evict(engine, rng)
-    before = _onboarded("host")
+    before = _onboarded(engine, "host")
     again = run(engine, [request("a2", tokens)])["a2"]
     assert again.seq.num_cached_tokens == 48  # three full blocks; the last token is computed
-    assert _onboarded("host") - before == 3
+    assert _onboarded(engine, "host") - before == 3
     assert again.seq.token_ids == reference["output"]
 
 
@@ -97,14 +98,14 @@ def test_disk_serves_what_host_memory_dropped_and_a_flipped_byte_is_recomputed(
     tokens = prompt(rng, 64)
     run(engine, [request("a", tokens)])
     _evict(engine, rng)
-    before = _onboarded("disk")
+    before = _onboarded(engine, "disk")
     # The disk is read on the tiers' transfer thread: the first step only starts the read and
     # sets the sequence aside, computing nothing for it.
     seq = engine.add(request("a2", tokens))
     assert engine.step() == [] and seq.status is SequenceStatus.LOADING_KV
     final = _finish(engine)["a2"]
     assert final.seq.num_cached_tokens == 48
-    assert _onboarded("disk") - before >= 1
+    assert _onboarded(engine, "disk") - before >= 1
     assert final.seq.token_ids == reference["output"]
 
     # Damage every block on disk (one byte in each slot's payload), push the prompt out of the
@@ -116,10 +117,10 @@ def test_disk_serves_what_host_memory_dropped_and_a_flipped_byte_is_recomputed(
         data[slot * slot_bytes + slot_bytes // 2] ^= 0xFF
     slab.write_bytes(bytes(data))
     _evict(engine, rng)
-    errors = metrics.ERRORS.labels("disk")._value.get()
+    errors = metrics.ERRORS.labels(engine.tiers.worker, "disk")._value.get()
     last = run(engine, [request("a3", tokens)])["a3"]
     assert last.seq.token_ids == reference["output"]
-    assert metrics.ERRORS.labels("disk")._value.get() > errors
+    assert metrics.ERRORS.labels(engine.tiers.worker, "disk")._value.get() > errors
     assert last.seq.num_cached_tokens < 48
 
 
@@ -132,10 +133,11 @@ def test_two_workers_share_blocks_through_redis(
         worker_a, worker_b = _engine(tiny_llama_dir, **tiers), _engine(tiny_llama_dir, **tiers)
         tokens = reference["tokens"]
         run(worker_a, [request("a", tokens)])
-        before = _onboarded("remote")
+        before = _onboarded(worker_b, "remote")
         served = run(worker_b, [request("b", tokens)])["b"]  # B never saw the prompt
         assert served.seq.num_cached_tokens == 48
-        assert _onboarded("remote") - before == 3
+        assert _onboarded(worker_b, "remote") - before == 3
+        assert _onboarded(worker_a, "remote") == 0  # each engine's series are its own
         assert served.seq.token_ids == reference["output"]
 
 

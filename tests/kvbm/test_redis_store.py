@@ -16,6 +16,7 @@ import redis
 
 from kvbm import redis_store
 from kvbm.redis_store import RedisStore
+from tests.kvbm.threads import at_once
 from tests.servers import free_port, stop_process, wait_for_port
 from tests.waiting import wait_until
 
@@ -182,4 +183,51 @@ def test_a_hung_server_costs_one_timeout(port: int, tmp_path: Path, monkeypatch:
             server.send_signal(signal.SIGCONT)
         wait_until(lambda: store.get(1) == block(1), "the store to come back")
         assert store.available
+        store.close()
+
+
+def test_threads_share_one_store(url: str) -> None:
+    # The transfer engine's pool: pipelines from several threads at once, each on a
+    # connection of its own from the client's pool, none seeing another's replies.
+    store = RedisStore(url, LAYOUT, BLOCK)
+
+    def work(t: int) -> None:
+        mine = range(t * 100, t * 100 + 40)
+        for start in range(0, 40, 8):
+            store.put_many((i, block(i)) for i in mine[start : start + 8])
+            assert store.get_many(mine[: start + 8]) == [block(i) for i in mine[: start + 8]]
+        assert store.get_many([t * 100 + 99]) == [None]
+
+    at_once(8, work)
+    assert store.get_many(range(0, 800, 100)) == [block(i) for i in range(0, 800, 100)]
+    assert len(redis.Redis.from_url(url).client_list()) > 2  # connections in flight together
+    store.close()
+
+
+def test_an_outage_met_by_many_threads_warns_once_and_one_ping_ends_it(
+    port: int, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(redis_store, "BACKOFF_START_S", 0.05)
+    caplog.set_level(logging.INFO, logger="kvbm.redis_store")
+    url = f"redis://127.0.0.1:{port}"
+    with redis_on(port, tmp_path) as server:
+        store = RedisStore(url, LAYOUT, BLOCK)
+        store.put(1, block(1))
+        server.kill()
+        server.wait()
+
+        def miss(_: int) -> None:
+            for _ in range(20):
+                assert store.get(1) is None
+
+        at_once(8, miss)
+        assert not store.available
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+    with redis_on(port, tmp_path):
+
+        def until_back(_: int) -> None:
+            wait_until(lambda: store.get(1) is None and store.available, "the store to come back")
+
+        at_once(8, until_back)
+        assert caplog.text.count("remote tier back on") == 1
         store.close()

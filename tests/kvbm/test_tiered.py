@@ -57,9 +57,9 @@ def test_host_evictions_reach_disk_only_when_reused(tmp_path: Path) -> None:
     # takes it, copied up to host memory, so the next one is a memory copy.
     fetch = Fetch()
     assert store.fetch_prefix([1], fetch) == ([(1, "disk", payload(1))], False)
-    reads = metrics.LOOKUPS.labels("disk")._value.get()
+    reads = metrics.LOOKUPS.labels(store.worker, "disk")._value.get()
     assert store.fetch_prefix([1], fetch) == ([(1, "disk", payload(1))], False)
-    assert metrics.LOOKUPS.labels("disk")._value.get() == reads
+    assert metrics.LOOKUPS.labels(store.worker, "disk")._value.get() == reads
     store.onboarded([(1, "disk", payload(1))])
     assert 1 in store.host
     assert ("stored", "host") in by_tier(store.take_events())
@@ -75,9 +75,9 @@ def test_a_damaged_disk_block_is_a_miss_and_counted(tmp_path: Path) -> None:
     for slot in range(len(slab) // store.disk.slot_bytes):  # one payload byte in every slot
         slab[slot * store.disk.slot_bytes + records.HEADER_BYTES + 10] ^= 0x01
     store.disk.path.write_bytes(bytes(slab))
-    errors = metrics.ERRORS.labels("disk")._value.get()
+    errors = metrics.ERRORS.labels(store.worker, "disk")._value.get()
     assert store.fetch_prefix([1, 2], Fetch()) == ([], False)  # the walk stops at the damaged first block
-    assert metrics.ERRORS.labels("disk")._value.get() == errors + 1
+    assert metrics.ERRORS.labels(store.worker, "disk")._value.get() == errors + 1
     assert 1 not in store.disk
 
 
@@ -105,10 +105,39 @@ def test_a_full_transfer_queue_sheds_work_instead_of_waiting(tmp_path: Path) -> 
     disk = DiskStore(tmp_path, 16, BLOCK, layout=7)
     store = TieredStore(HostStore(1, BLOCK), disk=disk, disk_min_reuse=0, transfer=transfer)
     try:
-        skipped = metrics.SKIPPED._value.get()
+        skipped = metrics.SKIPPED.labels(store.worker)._value.get()
         store.offload([(1, payload(1)), (2, payload(2))])
-        assert metrics.SKIPPED._value.get() == skipped + 1 and 1 not in disk
+        assert metrics.SKIPPED.labels(store.worker)._value.get() == skipped + 1 and 1 not in disk
         disk.put(1, payload(1))  # on disk, but the queue is full: a miss now, not a wait
         assert store.fetch_prefix([1], Fetch()) == ([], False)
+    finally:
+        store.close()
+
+
+def test_a_pool_of_transfers_keeps_the_disk_events_true_and_reads_prefixes_at_once(tmp_path: Path) -> None:
+    transfer = TransferEngine(workers=4)
+    disk = DiskStore(tmp_path, 16, BLOCK, layout=7)
+    store = TieredStore(HostStore(1, BLOCK), disk=disk, disk_min_reuse=0, transfer=transfer)
+    try:
+        for i in range(1, 41):  # each offload drops the one before to disk: 39 writes, 23 evict
+            store.offload([(i, payload(i))])
+        assert transfer.wait_idle(5)
+        # Replayed in order, the events say what the disk holds, though the writes ran on
+        # four threads and each of the later ones evicted a block another had stored.
+        on_disk: set[int] = set()
+        for event in store.take_events():
+            if isinstance(event, BlockStored) and event.tier == "disk":
+                on_disk |= set(event.blocks)
+            elif isinstance(event, BlockRemoved) and event.tier == "disk":
+                on_disk -= set(event.seq_hashes)
+        assert on_disk == set(disk.hashes()) and len(on_disk) == 16
+        # Four sequences whose prefixes are on disk: four reads queued at once, all served.
+        held = sorted(on_disk)
+        prefixes = [held[i : i + 4] for i in range(0, 16, 4)]
+        fetches = [Fetch() for _ in prefixes]
+        assert all(store.fetch_prefix(p, f) == ([], True) for p, f in zip(prefixes, fetches, strict=True))
+        assert transfer.wait_idle(5)
+        for prefix, fetch in zip(prefixes, fetches, strict=True):
+            assert store.fetch_prefix(prefix, fetch) == ([(h, "disk", payload(h)) for h in prefix], False)
     finally:
         store.close()

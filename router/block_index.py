@@ -6,9 +6,11 @@ worker keeps appearing. Each worker gets a slot (a bit position); each hash maps
 bitmask of slots, so one dict lookup and one AND per request block answer for all workers
 at once, and the walk stops as soon as no worker matches any more.
 
-Blocks held in a lower tier (host, disk, remote) but not on the device also set a bit in
-`_lower`, so the walk can count them apart. That map is empty unless a KVBM publishes
-lower-tier events, and the common device-only path never touches it.
+A block a worker holds below the device (host, disk, remote) but not on it also sets its
+bit in the map of the fastest tier that holds it (`_below`), so the walk can count each
+worker's hits per tier: the router credits a host hit more than a remote one. Those maps are
+empty unless a KVBM publishes lower-tier events, and the common device-only path never
+touches them.
 """
 
 from __future__ import annotations
@@ -18,16 +20,17 @@ from dataclasses import dataclass, field
 
 from orchestrator.runtime.protocol import Tier
 
-TIERS: tuple[Tier, ...] = ("device", "host", "disk", "remote")
+TIERS: tuple[Tier, ...] = ("device", "host", "disk", "remote")  # fastest first
+LOWER_TIERS = TIERS[1:]
 
 
 @dataclass(slots=True)
 class Matches:
-    """Per worker: cached prefix length in blocks, and how many of those sit in a lower tier.
-    Workers with no match are absent."""
+    """Per worker: cached prefix length in blocks, and how many of those it holds only below
+    the device, by the fastest tier that holds each. Workers with no match are absent."""
 
     blocks: dict[str, int] = field(default_factory=dict)
-    lower: dict[str, int] = field(default_factory=dict)
+    lower: dict[str, dict[Tier, int]] = field(default_factory=dict)
 
 
 class _WorkerBlocks:
@@ -38,8 +41,12 @@ class _WorkerBlocks:
         self.tiers: dict[str, set[int]] = {tier: set() for tier in TIERS}
         self.lower_count = 0  # blocks held in lower tiers; 0 keeps the fast paths on
 
-    def holds_lower(self, seq_hash: int) -> bool:
-        return any(seq_hash in self.tiers[t] for t in TIERS[1:])
+    def fastest_lower(self, seq_hash: int) -> Tier | None:
+        """The fastest tier below the device that holds `seq_hash`, if any does."""
+        for tier in LOWER_TIERS:
+            if seq_hash in self.tiers[tier]:
+                return tier
+        return None
 
 
 class BlockIndex:
@@ -48,7 +55,8 @@ class BlockIndex:
         self._slot_ids: list[str | None] = []
         self._free_slots: list[int] = []
         self._any: dict[int, int] = {}  # seq hash -> slots holding it in any tier
-        self._lower: dict[int, int] = {}  # seq hash -> slots holding it only below the device
+        # tier -> seq hash -> slots holding it below the device, with this as the fastest tier
+        self._below: dict[Tier, dict[int, int]] = {tier: {} for tier in LOWER_TIERS}
 
     # ------------------------------------------------------------------ workers
 
@@ -76,7 +84,7 @@ class BlockIndex:
         if worker is None:
             return
         keep = ~(1 << worker.slot)
-        for maps in (self._any, self._lower):
+        for maps in (self._any, *self._below.values()):
             for tier_blocks in worker.tiers.values():
                 for seq_hash in tier_blocks:
                     mask = maps.get(seq_hash)
@@ -157,10 +165,12 @@ class BlockIndex:
         """Recompute one (worker, block) pair's bits from the worker's tier sets."""
         bit = 1 << worker.slot
         on_device = seq_hash in worker.tiers["device"]
-        lower = worker.holds_lower(seq_hash)
-        for maps, wanted in ((self._any, on_device or lower), (self._lower, lower and not on_device)):
+        lower = worker.fastest_lower(seq_hash)
+        wanted = [(self._any, on_device or lower is not None)]
+        wanted += [(maps, not on_device and tier == lower) for tier, maps in self._below.items()]
+        for maps, held in wanted:
             mask = maps.get(seq_hash, 0)
-            mask = mask | bit if wanted else mask & ~bit
+            mask = mask | bit if held else mask & ~bit
             if mask:
                 maps[seq_hash] = mask
             else:
@@ -188,7 +198,7 @@ class BlockIndex:
         alive = get(hashes[0], 0)
         if not alive:
             return out
-        if self._lower:
+        if any(self._below.values()):
             return self._find_with_tiers(hashes, alive, out)
         for depth, seq_hash in enumerate(hashes):
             mask = get(seq_hash, 0) & alive
@@ -202,9 +212,9 @@ class BlockIndex:
 
     def _find_with_tiers(self, hashes: Sequence[int], alive: int, out: Matches) -> Matches:
         get = self._any.get
-        get_lower = self._lower.get
+        below = [(tier, maps.get) for tier, maps in self._below.items() if maps]
         ids = self._slot_ids
-        lower_counts: dict[int, int] = {}
+        counts: dict[int, dict[Tier, int]] = {}
         for depth, seq_hash in enumerate(hashes):
             mask = get(seq_hash, 0) & alive
             if mask != alive:
@@ -212,15 +222,16 @@ class BlockIndex:
                 alive = mask
                 if not alive:
                     break
-            lower = get_lower(seq_hash, 0) & alive
-            while lower:
-                low = lower & -lower
-                slot = low.bit_length() - 1
-                lower_counts[slot] = lower_counts.get(slot, 0) + 1
-                lower ^= low
+            for tier, get_tier in below:
+                lower = get_tier(seq_hash, 0) & alive
+                while lower:
+                    low = lower & -lower
+                    per_tier = counts.setdefault(low.bit_length() - 1, {})
+                    per_tier[tier] = per_tier.get(tier, 0) + 1
+                    lower ^= low
         else:
             _record(out.blocks, ids, alive, len(hashes))
-        out.lower = {ids[slot] or "": n for slot, n in lower_counts.items()}
+        out.lower = {ids[slot] or "": per_tier for slot, per_tier in counts.items()}
         return out
 
 

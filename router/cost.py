@@ -1,12 +1,17 @@
 """The KV router's cost model and selection, as pure functions.
 
     cost(w) = overlap_weight * prefill_blocks(w) + active_blocks(w)
-    prefill_blocks(w) = request_blocks - (device_hits(w) + lower_tier_credit * lower_hits(w))
+    prefill_blocks(w) = request_blocks - (device_hits(w) + sum over tiers t of credit_t * hits_t(w))
 
 `prefill_blocks` is the prompt work the worker would still have to compute: blocks it holds
-on the device are free, blocks in host/disk/remote tiers cost a fraction (they must be
-onboarded). `active_blocks` is the KV the worker is already decoding with, a proxy for how
-slow its decode steps are. A larger `overlap_weight` favours cache hits over balance.
+on the device are free, blocks in a host, disk or remote tier save the fraction `credit_t` of
+a device hit (they must be onboarded, more slowly the slower the tier). A remote block counts
+for every worker, which can all load it, so its credit narrows the gap between the worker
+that holds a prefix on its device and the others: a high remote credit spreads requests
+towards workers that must then load what they could have found on a device (the defaults
+and their measurements: docs/router.md). `active_blocks` is the KV the worker is already
+decoding with, a proxy for how slow its decode steps are. A larger `overlap_weight` favours
+cache hits over balance.
 
 Temperature 0 takes the cheapest worker; ties go to the least loaded, then to a seeded
 random choice (so equal workers share the ties rather than the first id taking them all).
@@ -20,6 +25,7 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from orchestrator.runtime.protocol import Tier
 from router.protocols import WorkerLoad
 
 
@@ -27,23 +33,32 @@ from router.protocols import WorkerLoad
 class CostParams:
     overlap_weight: float = 1.0
     temperature: float = 0.0
-    lower_tier_credit: float = 0.5  # a host/disk/remote hit saves this fraction of a device hit
+    # The fraction of a device hit that a hit in each lower tier saves (docs/router.md).
+    host_credit: float = 0.5
+    disk_credit: float = 0.25
+    remote_credit: float = 0.1
     busy_kv_fraction: float = 0.95  # a worker whose reported KV use is above this is busy
     busy_waiting_requests: int = 0  # > 0: a worker with more waiting requests is busy
+
+    @property
+    def tier_credits(self) -> dict[Tier, float]:
+        return {"host": self.host_credit, "disk": self.disk_credit, "remote": self.remote_credit}
 
     def __post_init__(self) -> None:
         if self.overlap_weight < 0 or self.temperature < 0:
             raise ValueError("overlap_weight and temperature must be >= 0")
-        if not 0.0 <= self.lower_tier_credit <= 1.0:
-            raise ValueError("lower_tier_credit must be within [0, 1]")
+        for tier, credit in self.tier_credits.items():
+            if not 0.0 <= credit <= 1.0:
+                raise ValueError(f"the {tier} tier's credit must be within [0, 1], got {credit}")
         if not 0.0 < self.busy_kv_fraction <= 1.0:
             raise ValueError("busy_kv_fraction must be within (0, 1]")
 
 
-def cached_blocks(hit_blocks: int, lower_hit_blocks: int, params: CostParams) -> float:
+def cached_blocks(hit_blocks: int, lower_hits: Mapping[Tier, int], params: CostParams) -> float:
     """Credited prefix hits: `hit_blocks` counts every cached prefix block, of which
-    `lower_hit_blocks` sit off the device and count `lower_tier_credit` each."""
-    return hit_blocks - (1.0 - params.lower_tier_credit) * lower_hit_blocks
+    `lower_hits` sit off the device, per tier, and count that tier's credit each."""
+    credits = params.tier_credits
+    return hit_blocks - sum((1.0 - credits[tier]) * n for tier, n in lower_hits.items())
 
 
 def costs(

@@ -30,6 +30,7 @@ from orchestrator.runtime.request_plane.security import (
     client_tls_context,
     server_tls_context,
 )
+from router.block_index import LOWER_TIERS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ENV_PREFIX = "WEIR_"
@@ -313,6 +314,13 @@ def add_router_arguments(
         help="kv mode: weight of prompt blocks a worker must compute against its active blocks (default 1.0)",
     )
     routing.add_argument(
+        "--kv-tier-credits",
+        type=tier_credits,
+        metavar="TIER=CREDIT,...",
+        help="kv mode: the fraction of a device hit that a hit in a lower KV tier saves, per tier "
+        "(host, disk, remote); tiers left out keep theirs (default host=0.5,disk=0.25,remote=0.1)",
+    )
+    routing.add_argument(
         "--router-temperature",
         type=float,
         help="kv mode: 0 picks the cheapest worker; higher values sample among cheap ones (default 0)",
@@ -332,12 +340,33 @@ def add_router_arguments(
     return routing
 
 
+def tier_credits(value: str) -> dict[str, float]:
+    """`host=0.5,remote=0.1` -> {"host_credit": 0.5, "remote_credit": 0.1} (CostParams fields)."""
+    credits: dict[str, float] = {}
+    for item in value.split(","):
+        tier, sep, credit = item.partition("=")
+        tier = tier.strip()
+        if not sep or tier not in LOWER_TIERS:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: expected TIER=CREDIT with TIER one of {', '.join(LOWER_TIERS)}"
+            )
+        try:
+            number = float(credit)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: the credit must be a number") from None
+        if not 0.0 <= number <= 1.0:
+            raise argparse.ArgumentTypeError(f"{item!r}: the credit must be within [0, 1]")
+        credits[f"{tier}_credit"] = number
+    return credits
+
+
 def router_params(args: argparse.Namespace) -> dict[str, Any]:
     """Only what the user set, so the router's own defaults stay the single source."""
     params: dict[str, Any] = {
         "overlap_weight": args.kv_overlap_weight,
         "temperature": args.router_temperature,
         "seed": args.router_seed,
+        **(args.kv_tier_credits or {}),
     }
     if args.no_kv_events:
         params["kv_events"] = False

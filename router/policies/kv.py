@@ -47,7 +47,7 @@ class KvPolicy:
         # C-level scan, cheaper than mapping every worker to its position per decision.
         hits, lower = matches.blocks, matches.lower
         cached = {
-            pool.index(w): cached_blocks(n, lower.get(w, 0), params) if lower else n
+            pool.index(w): cached_blocks(n, lower[w], params) if w in lower else n
             for w, n in hits.items()
             if w in workers
         }

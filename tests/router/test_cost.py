@@ -25,11 +25,13 @@ def test_worked_example_low_weight_prefers_balance() -> None:
     assert choose([a, b], [2, 0], 0.0, random.Random(0)) == 1
 
 
-def test_lower_tier_hits_are_credited_by_a_factor() -> None:
-    params = CostParams(lower_tier_credit=0.25)
-    # 6 cached blocks of which 4 sit on host memory: 2 + 0.25 * 4 = 3 credited
-    assert cached_blocks(6, 4, params) == 3.0
-    assert costs(10, [3.0], [0], params) == [7.0]
+def test_lower_tier_hits_are_credited_per_tier() -> None:
+    params = CostParams(host_credit=0.25, remote_credit=0.1)
+    # 6 cached blocks of which 2 sit in host memory and 2 in the remote store:
+    # 2 on the device + 0.25 * 2 + 0.1 * 2 = 2.7 credited
+    assert cached_blocks(6, {"host": 2, "remote": 2}, params) == pytest.approx(2.7)
+    assert cached_blocks(6, {}, params) == 6
+    assert costs(10, [2.7], [0], params) == [pytest.approx(7.3)]
     assert costs(4, [6], [1], params) == [1.0]  # more cached than asked (tail block): no negative work
 
 
@@ -71,4 +73,4 @@ def test_invalid_params_are_rejected() -> None:
     with pytest.raises(ValueError):
         CostParams(overlap_weight=-1)
     with pytest.raises(ValueError):
-        CostParams(lower_tier_credit=2)
+        CostParams(remote_credit=2)

@@ -42,7 +42,10 @@ def test_lower_tiers_are_counted_apart() -> None:
     index.store("b", [1], "device")  # on device and disk: a device hit
     matches = index.find_matches([1, 2, 3, 4])
     assert matches.blocks == {"a": 4, "b": 3}
-    assert matches.lower == {"a": 2, "b": 2}
+    assert matches.lower == {"a": {"host": 2}, "b": {"disk": 2}}
+    index.store("b", [2], "host")  # now also in b's host memory: counted at the faster tier
+    assert index.find_matches([1, 2, 3, 4]).lower == {"a": {"host": 2}, "b": {"host": 1, "disk": 1}}
+    index.remove("b", [2], "host")
     index.remove("a", [3], "host")
     assert index.find_matches([1, 2, 3, 4]).blocks == {"a": 2, "b": 3}
     index.remove("b", [1, 2, 3], "disk")
@@ -58,7 +61,7 @@ def test_a_remote_block_counts_for_every_worker_of_the_model() -> None:
     index.store("a", [1, 2, 3], "remote")
     matches = index.find_matches([1, 2, 3])
     assert matches.blocks == {"a": 3, "b": 3}
-    assert matches.lower == {"a": 1, "b": 3}  # a holds 1 and 2 on its device
+    assert matches.lower == {"a": {"remote": 1}, "b": {"remote": 3}}  # a holds 1 and 2 on its device
     index.remove("b", [3], "remote")  # gone from the shared store: gone for both
     assert index.find_matches([1, 2, 3]).blocks == {"a": 2, "b": 2}
 

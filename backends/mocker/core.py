@@ -193,7 +193,9 @@ def _tiers(config: MockerConfig, shared: RemoteStore | None) -> TieredStore | No
             raise ValueError("a shared tier needs a host tier above it (host_cache_blocks)")
         return None
     disk = HostStore(config.disk_cache_blocks, 0, tier="disk") if config.disk_cache_blocks else None
-    return TieredStore(HostStore(config.host_cache_blocks, 0), disk=disk, remote=shared)
+    return TieredStore(
+        HostStore(config.host_cache_blocks, 0), disk=disk, remote=shared, name=config.model_name
+    )
 
 
 def _token(seed: int, position: int, vocab_size: int) -> int:

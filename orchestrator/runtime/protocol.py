@@ -50,12 +50,21 @@ class GuidedSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class KvTransfer(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Disaggregation: where a decode worker fetches the KV a prefill worker computed."""
+    """Disaggregation: the prompt KV a prefill worker holds for one decode worker to pull.
 
-    source_worker: str
-    address: str
-    block_hashes: list[int] = []
-    first_token_id: int | None = None
+    The last delta of a prefill-only request carries it; the frontend puts it in the decode
+    request. The prefill worker keeps the blocks until they are pulled from its request plane
+    (`kv_blocks`) or its hold expires, then frees them. What is pulled is kvbm records
+    (header with sequence hash, layout and checksum, then the payload), so a decode worker
+    loads only blocks of its own layout that arrived intact and recomputes the rest."""
+
+    transfer_id: str
+    source_worker: str = ""  # the prefill worker's instance id (its host fills it in)
+    address: str = ""  # the prefill worker's request-plane address (its host fills it in)
+    host_id: str = ""  # the prefill's machine: a decode worker on the same one may use shared memory
+    block_hashes: list[int] = []  # the prompt's full blocks held, in prefix order
+    layout: int = 0  # kvbm layout id of the records
+    block_bytes: int = 0  # payload bytes of one block
 
 
 class WorkerRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -76,6 +85,11 @@ class WorkerRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     guided: GuidedSpec | None = None
     priority: int = 0
     cache_salt: str | None = None
+    # Disaggregation. `prefill_only`: compute the prompt, sample its first token and finish
+    # (finish_reason "length"), holding the prompt's KV for a decode worker: the last delta
+    # carries `kv_transfer`. A request with `kv_transfer` (and the first token in
+    # `generated_token_ids`) is that decode: its worker pulls the KV instead of computing it.
+    prefill_only: bool = False
     kv_transfer: KvTransfer | None = None
     # Request migration: the tokens an earlier worker already streamed for this request, to be
     # continued, not repeated. The engine prefills token_ids + generated_token_ids and counts
@@ -113,6 +127,9 @@ class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     # the others, and from engines that report it only in the final `usage`). A caller that
     # stops early (a stop string) still knows it without waiting for the last delta.
     cached_tokens: int | None = None
+    # On the last delta of a prefill-only request: the KV its worker holds (None: none held,
+    # e.g. a prompt shorter than one block; the decode worker then computes all of it).
+    kv_transfer: KvTransfer | None = None
 
 
 def merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
@@ -128,6 +145,7 @@ def merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
         finish_reason=last.finish_reason,
         usage=last.usage,
         cached_tokens=first.cached_tokens,
+        kv_transfer=last.kv_transfer,
     )
 
 

@@ -5,9 +5,25 @@ carry only the layout and the sequence hash, nothing of the worker. Redis bounds
 not the worker: entries expire `ttl_s` after they were last written, and under memory
 pressure the server's maxmemory policy evicts (run it with `allkeys-lru`, for which a read
 counts as use). Reads are plain GETs: renewing the TTL on every read (GETEX) cost a third of
-the pipelined read throughput here (0.37 against 0.26 GB/s in `benchmarks/kvbm_tiers.py`). That is why
-`put` never reports evictions and why the store is not enumerated: `hashes()` would be a
-SCAN over every worker's blocks, changing as it runs, and no worker owns what it finds.
+the pipelined read throughput here (0.37 against 0.26 GB/s in `benchmarks/kvbm_tiers.py`). So
+`put` never reports evictions: Redis makes them later, by itself.
+
+`watch` is how the router still learns of them, and of blocks other workers stored before
+this one started. A daemon thread of the store's own subscribes to the server's keyspace
+notifications for expired and evicted keys (turning them on with CONFIG SET if they are off;
+a managed Redis that refuses CONFIG gets one warning naming the setting its operator must
+make), keeps the keys of this layout and reports their hashes as removed, a batch per
+report. Once subscribed it SCANs the layout's keys (up to `SCAN_LIMIT`) and reports them as
+stored, so a worker that joins credits the model with what G4 already holds; subscribing
+first means a block that expires during the scan is reported removed after it was reported
+stored. Every worker of the model reports the same blocks, and the router's index takes a
+remote store or removal for every worker at once and is idempotent for both, so the
+duplicates cost only their messages. Notifications sent while the thread is disconnected
+are lost (Redis keeps none), so after each reconnect it scans again; a block Redis dropped
+meanwhile (or lost in a restart) stays credited until Redis drops a later copy of it, a
+routing miss the worker recomputes. A snapshot does not list the store, which would make it
+G4's size: `hashes()` is [] and has the watcher scan again, so the remote part of a worker's
+snapshot follows it as events, which the router applies after it (their event ids are later).
 
 The store is a cache, so Redis being down must cost hit rate, never a step: the first
 connection error or timeout switches the store off (one warning), every call is then a miss
@@ -38,6 +54,7 @@ from typing import TypeVar
 
 import redis
 from redis.backoff import NoBackoff
+from redis.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -51,8 +68,16 @@ log = logging.getLogger(__name__)
 
 BACKOFF_START_S = 1.0
 BACKOFF_MAX_S = 30.0
+# A scan's bound: a worker joining adds at most this many hashes of events (about 10 MB).
+SCAN_LIMIT = 1_000_000
+SCAN_COUNT = 1000  # keys asked of each SCAN call, and hashes per stored report
+REMOVED_BATCH = 1000  # notifications taken per removed report at most
+WATCH_POLL_S = 0.5  # the watcher's longest wait for a notification, before it checks for close
+NOTIFY_SETTING = "notify-keyspace-events"
+NOTIFY_FLAGS = "Exe"  # keyevent channels; expired; evicted
 
 _T = TypeVar("_T")
+Report = Callable[[list[int]], None]
 
 
 class RedisStore:
@@ -71,10 +96,15 @@ class RedisStore:
         self.ttl_s = ttl_s
         self.available = True
         self._prefix = f"weir:kv:{layout:016x}:"
+        self._prefix_bytes = self._prefix.encode()  # as notifications and SCAN return keys
         self._state = threading.Lock()  # available, _backoff_s, _retry_at
         self._backoff_s = 0.0
         self._retry_at = 0.0
         self._refused = ThrottledWarning(log, every_s=60.0)
+        self._watcher: threading.Thread | None = None
+        self._closed = threading.Event()
+        self._rescan = threading.Event()
+        self._config_warned = False
         self._client = redis.Redis.from_url(
             url,
             socket_timeout=timeout_s,
@@ -149,11 +179,123 @@ class RedisStore:
         self._call(lambda c: c.delete(self.key(seq_hash)), None)
 
     def hashes(self) -> list[int]:
-        """[]: the remote tier is not enumerated (see the module's docstring)."""
+        """[], and the watcher scans again: its blocks follow as stored reports (see the
+        module's docstring)."""
+        self._rescan.set()
         return []
 
+    def watch(self, stored: Report, removed: Report) -> None:
+        """Report, from a daemon thread that `close` stops, the layout's blocks found in
+        Redis (`stored`) and those it expires or evicts (`removed`), in batches."""
+        if self._watcher is not None:
+            raise RuntimeError("the store is already watched")
+        self._watcher = threading.Thread(
+            target=self._watch, args=(stored, removed), name="weir-kv-redis-watch", daemon=True
+        )
+        self._watcher.start()
+
     def close(self) -> None:
+        self._closed.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=10)
         self._client.close()
+
+    def _watch(self, stored: Report, removed: Report) -> None:
+        """Subscribe and scan, then report notifications until closed; on a lost connection,
+        the same again after a back-off (1 s doubling to 30 s), logged once per outage."""
+        db = self._client.connection_pool.connection_kwargs.get("db", 0)
+        channels = [f"__keyevent@{db}__:expired", f"__keyevent@{db}__:evicted"]
+        backoff_s = BACKOFF_START_S
+        connected = True
+        while not self._closed.is_set():
+            pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+            try:
+                self._enable_notifications()
+                pubsub.subscribe(*channels)
+                if not connected:
+                    log.info("KV store %s answers again: watching its expiries and evictions", self.url)
+                connected, backoff_s = True, BACKOFF_START_S
+                self._rescan.set()  # notifications missed while away are lost: scan instead
+                while not self._closed.is_set():
+                    if self._rescan.is_set():
+                        self._rescan.clear()
+                        self._scan(stored)
+                    self._drain(pubsub, removed)
+            except (RedisConnectionError, RedisTimeoutError) as e:
+                if connected:
+                    log.info("KV store %s unreachable (%s): not watching it until it answers", self.url, e)
+                connected = False
+            except RedisError as e:  # refused, e.g. an ACL without these channels
+                self._refused("KV store %s refused its watcher: %s", self.url, e)
+            finally:
+                pubsub.close()
+            self._closed.wait(backoff_s)
+            backoff_s = min(backoff_s * 2, BACKOFF_MAX_S)
+
+    def _enable_notifications(self) -> None:
+        """Add the flags the watcher needs to the server's; a server that refuses CONFIG
+        (managed services do) is warned of once, and watched all the same: its operator may
+        have set them."""
+        try:
+            flags = str(self._client.config_get(NOTIFY_SETTING).get(NOTIFY_SETTING, ""))
+            have = set(flags) | (set("xe") if "A" in flags else set())  # A: every class but m, n
+            missing = "".join(flag for flag in NOTIFY_FLAGS if flag not in have)
+            if missing:
+                self._client.config_set(NOTIFY_SETTING, flags + missing)
+        except ResponseError as e:
+            if not self._config_warned:
+                self._config_warned = True
+                log.warning(
+                    "KV store %s refuses CONFIG (%s): set %s to include %s there, or the router "
+                    "keeps crediting G4 blocks Redis has expired or evicted",
+                    self.url,
+                    e,
+                    NOTIFY_SETTING,
+                    NOTIFY_FLAGS,
+                )
+
+    def _scan(self, stored: Report) -> None:
+        found: list[int] = []
+        keys = self._client.scan_iter(match=f"{self._prefix}*", count=SCAN_COUNT)
+        for n, key in enumerate(keys):
+            if self._closed.is_set():
+                return
+            if n == SCAN_LIMIT:
+                log.info("KV store %s holds over %d blocks of this layout: reported those", self.url, n)
+                break
+            seq_hash = self._seq_hash(key)
+            if seq_hash is not None:
+                found.append(seq_hash)
+            if len(found) == SCAN_COUNT:
+                stored(found)
+                found = []
+        if found:
+            stored(found)
+
+    def _drain(self, pubsub: PubSub, removed: Report) -> None:
+        """Wait for a notification, then take those already arrived: one report for them."""
+        gone: list[int] = []
+        timeout = WATCH_POLL_S
+        for _ in range(REMOVED_BATCH):
+            message = pubsub.get_message(timeout=timeout)
+            if message is None:
+                break
+            timeout = 0.0
+            seq_hash = self._seq_hash(message["data"])
+            if seq_hash is not None:
+                gone.append(seq_hash)
+        if gone:
+            removed(gone)
+
+    def _seq_hash(self, key: bytes) -> int | None:
+        """The hash in a key of this layout; None for any other key."""
+        prefix = self._prefix_bytes
+        if not key.startswith(prefix):
+            return None
+        try:
+            return int(key[len(prefix) :], 16)
+        except ValueError:
+            return None
 
     def _call(self, op: Callable[[redis.Redis], _T], miss: _T) -> _T:
         """`op(client)`, or `miss` while Redis is unreachable (and when it turns out to be)."""

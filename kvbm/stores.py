@@ -14,6 +14,7 @@ no bytes, only time (its shared tier is a `HostStore` too, so it also speaks `Re
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Protocol
 
 from orchestrator.runtime.protocol import Tier
@@ -51,6 +52,11 @@ class RemoteStore(KvStore, Protocol):
     def get_many(self, hashes: list[int]) -> list[bytes | None]: ...
 
     def put_many(self, items: list[tuple[int, bytes]]) -> None: ...
+
+    def watch(self, stored: Callable[[list[int]], None], removed: Callable[[list[int]], None]) -> None:
+        """Report, from a thread of the store's own, the blocks it holds that no call of this
+        worker stored (`stored`) and those it drops by itself (`removed`)."""
+        ...
 
 
 class HostStore:
@@ -106,6 +112,9 @@ class HostStore:
     def put_many(self, items: list[tuple[int, bytes]]) -> None:
         for seq_hash, payload in items:
             self.put(seq_hash, payload)
+
+    def watch(self, stored: Callable[[list[int]], None], removed: Callable[[list[int]], None]) -> None:
+        """Nothing to report (RemoteStore): memory drops a block only when a `put` evicts it."""
 
     def pop_oldest(self) -> tuple[int, bytes] | None:
         """Evict the least recently used block and hand back its bytes (to demote them)."""

@@ -13,7 +13,10 @@ Policy, learned from NVIDIA Dynamo's KVBM and LMCache without copying either:
   prefix is only useful up to its first gap). A block found below the host is copied up to
   the host, so the next hit is a memory copy.
 - Every store and removal in a tier is a KV event with that tier: the router credits a worker
-  for blocks it can load (router/cost.py), and a G4 block for every worker of the model.
+  for blocks it can load (router/cost.py), and a G4 block for every worker of the model. The
+  remote store's own thread adds the events no call here makes (`RemoteStore.watch`): the
+  blocks Redis expires or evicts by itself, and those it held before this worker started.
+  A snapshot holds no remote blocks (`RedisStore.hashes`): they follow it as events.
 
 - Host memory is read and written on the engine's step thread (a memory copy). With a
   `TransferEngine`, everything the disk and the remote store do runs on its pool of threads
@@ -87,8 +90,13 @@ class TieredStore:
         self._reuse: OrderedDict[int, int] = OrderedDict()
         self._reuse_limit = 2 * sum(min(s.capacity_blocks, 1 << 22) for s in self.stores)
         self._events: list[KvEvent] = []
-        self._events_lock = threading.Lock()  # transfer jobs add events too
+        self._events_lock = threading.Lock()  # transfer jobs and the remote store's watcher add events too
         self._disk_writes = threading.Lock()  # one disk write at a time (module docstring)
+        if remote is not None:
+            remote.watch(
+                lambda hashes: self._event(BlockStored(blocks=hashes, tier="remote")),
+                lambda hashes: self._event(BlockRemoved(seq_hashes=hashes, tier="remote")),
+            )
 
     # ------------------------------------------------------------------ device -> tiers
 

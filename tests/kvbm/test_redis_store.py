@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import logging
 import signal
-import subprocess
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -16,43 +13,16 @@ import redis
 
 from kvbm import redis_store
 from kvbm.redis_store import RedisStore
+from tests.kvbm.redis_server import redis_on
 from tests.kvbm.threads import at_once
-from tests.servers import free_port, stop_process, wait_for_port
 from tests.waiting import wait_until
 
 LAYOUT = 0xABC
 BLOCK = 4096
-REDIS_SERVER = "/usr/bin/redis-server"
 
 
 def block(i: int) -> bytes:
     return (f"kv-{i:04d}.".encode() * (BLOCK // 8 + 1))[:BLOCK]
-
-
-@contextmanager
-def redis_on(port: int, workdir: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """A redis-server on `port`, so that a test can kill it and start another on the same port."""
-    args = [REDIS_SERVER, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
-    with (workdir / f"redis-{port}.log").open("ab") as out:
-        proc = subprocess.Popen([*args, "--dir", str(workdir)], stdout=out, stderr=subprocess.STDOUT)
-    try:
-        wait_for_port(port, proc=proc)
-        yield proc
-    finally:
-        stop_process(proc, timeout=5)
-
-
-@pytest.fixture
-def port() -> int:
-    if not Path(REDIS_SERVER).exists():
-        pytest.skip(f"{REDIS_SERVER} not found: install Debian's redis-server")
-    return free_port()
-
-
-@pytest.fixture
-def url(port: int, tmp_path: Path) -> Iterator[str]:
-    with redis_on(port, tmp_path):
-        yield f"redis://127.0.0.1:{port}"
 
 
 def test_round_trip(url: str) -> None:

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncGenerator, Callable
+from collections.abc import Sequence as Seq
 
 from backends.deepinfer.engine import Engine
 from backends.deepinfer.outputs import SeqOutput
@@ -24,6 +25,7 @@ from backends.deepinfer.sequence import Sequence
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.protocol import (
     FinishReason,
+    KvTransfer,
     TokenDelta,
     TokenLogprob,
     TopLogprob,
@@ -70,8 +72,11 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests
 
-    async def generate(self, request: WorkerRequest) -> AsyncGenerator[TokenDelta, None]:
-        """Stream one request's deltas; the last carries finish_reason and usage."""
+    async def generate(
+        self, request: WorkerRequest, arrived_kv: Seq[bytes] = ()
+    ) -> AsyncGenerator[TokenDelta, None]:
+        """Stream one request's deltas; the last carries finish_reason and usage (and, for a
+        prefill-only request, the KV it holds). `arrived_kv`: see `Engine.generate`."""
         if self._thread is None:
             raise EngineError("unavailable", "the engine is not running", retryable=True)
         rid = request.request_id
@@ -81,9 +86,12 @@ class AsyncEngine:
             grammar = (
                 await asyncio.to_thread(self.engine.compile_grammar, request) if request.guided else None
             )
+            arrived = None
+            if request.kv_transfer is not None and arrived_kv:
+                arrived = await asyncio.to_thread(self.engine.check_arrived, request.kv_transfer, arrived_kv)
             queue: asyncio.Queue[_Item] = asyncio.Queue()
             self._streams[rid] = queue
-            self.engine.add(request, grammar)
+            self.engine.add(request, grammar, arrived)
         except ValueError as exc:
             self._streams.pop(rid, None)
             raise EngineError("invalid_request", str(exc)) from exc
@@ -123,11 +131,16 @@ class AsyncEngine:
                 self._fail_all(f"the engine failed: {exc}")
                 continue
             if outputs:
-                batch = [(o.seq.request_id, _delta(o)) for o in outputs]
+                batch = [(o.seq.request_id, _delta(o, self._transfer(o))) for o in outputs]
                 self._call_soon(self._deliver, batch)
             elif self.engine.last_step_tokens == 0:
                 # Work exists but none could be scheduled: wait for a change, do not spin.
                 self._wakeup.wait(_IDLE_POLL_S)
+
+    def _transfer(self, o: SeqOutput) -> KvTransfer | None:
+        if o.finished and o.seq.request.prefill_only:
+            return self.engine.transfer(o.seq.request_id)
+        return None
 
     def _deliver(self, batch: list[tuple[str, TokenDelta]]) -> None:
         for request_id, delta in batch:
@@ -167,7 +180,7 @@ def _usage(seq: Sequence) -> Usage:
     )
 
 
-def _delta(o: SeqOutput) -> TokenDelta:
+def _delta(o: SeqOutput, transfer: KvTransfer | None) -> TokenDelta:
     seq = o.seq
     logprobs = None
     if seq.request.logprobs is not None:
@@ -184,4 +197,5 @@ def _delta(o: SeqOutput) -> TokenDelta:
         # The first delta says how much of the prompt came from the cache, so the frontend
         # can report it even when a stop string cancels the request before the final usage.
         cached_tokens=seq.num_cached_tokens if seq.num_completion_tokens == len(o.new_tokens) else None,
+        kv_transfer=transfer,
     )

@@ -14,22 +14,24 @@ using it.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Protocol
 
 import torch
 from tokenizers import Tokenizer
 
+from backends.deepinfer import transfers
 from backends.deepinfer.config import EngineConfig
 from backends.deepinfer.guided import Grammar, GuidedDecoding
 from backends.deepinfer.kv_cache import PagedKVCache
-from backends.deepinfer.kv_tiers import build_tiers
+from backends.deepinfer.kv_tiers import build_tiers, kv_layout_id
 from backends.deepinfer.outputs import SampledToken, SchedulerOutput, SeqOutput
 from backends.deepinfer.sampler import Sampler, validate_request
 from backends.deepinfer.scheduler import Scheduler
 from backends.deepinfer.sequence import Sequence
 from orchestrator.runtime.model_files import eos_token_ids
-from orchestrator.runtime.protocol import WorkerRequest
+from orchestrator.runtime.protocol import KvTransfer, WorkerRequest
 
 
 class Runner(Protocol):
@@ -39,7 +41,7 @@ class Runner(Protocol):
     max_model_len: int
     num_kv_blocks: int
     kv_bytes_per_token: int
-    kv_cache: PagedKVCache  # used only with KV tiers
+    kv_cache: PagedKVCache  # used with KV tiers and disaggregation
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """float32 logits, one row per chunk with `sample=True`, in chunk order; `out.loads`
@@ -62,6 +64,7 @@ class Engine:
         )
         self.max_model_len = self.runner.max_model_len
         self.tiers = build_tiers(config, self.runner.kv_cache) if config.host_cache_gb else None
+        self.layout = kv_layout_id(config, self.runner.kv_cache)
         self.scheduler = Scheduler(
             config, self.runner.num_kv_blocks, self.eos_token_ids, self.max_model_len, self.tiers
         )
@@ -90,13 +93,17 @@ class Engine:
         the engine thread). ValueError for a bad spec."""
         return None if request.guided is None else self.guided.compile(request.guided)
 
-    def add(self, request: WorkerRequest, grammar: Grammar | None = None) -> Sequence:
-        """Queue a request; ValueError with a client-facing message if it is invalid."""
+    def add(
+        self, request: WorkerRequest, grammar: Grammar | None = None, arrived: dict[int, bytes] | None = None
+    ) -> Sequence:
+        """Queue a request; ValueError with a client-facing message if it is invalid.
+        `arrived`: the prompt blocks a prefill worker sent (`check_arrived`)."""
         validate_request(request, self.vocab_size)
         if request.guided is not None and grammar is None:
             grammar = self.compile_grammar(request)
         with self.lock:
             seq = self.scheduler.add(request)
+            seq.arrived = arrived or {}
             if grammar is not None:
                 try:  # a migrated request's grammar resumes after the tokens it generated
                     self.guided.add(seq.request_id, grammar, request.generated_token_ids)
@@ -118,6 +125,39 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ disaggregation
+
+    def transfer(self, request_id: str) -> KvTransfer | None:
+        """What a finished prefill-only request holds, for its last delta; None if nothing."""
+        with self.lock:
+            held = self.scheduler.held.get(request_id, [])
+        return transfers.describe(request_id, held, self.layout, self.runner.kv_cache.block_bytes)
+
+    def read_transfer(self, transfer_id: str) -> list[bytes] | None:
+        """The held blocks as records. The blocks are referenced once more while their bytes
+        are copied, so a release (or the hold's expiry) meanwhile cannot hand them to another
+        sequence whose writes would then be sent under these hashes."""
+        kv = self.scheduler.kv_cache
+        with self.lock:
+            held = self.scheduler.held.get(transfer_id)
+            if not held:
+                return None
+            kv.retain(held)
+        try:
+            payloads = self.runner.kv_cache.read_blocks([block_id for block_id, _ in held])
+        finally:
+            with self.lock:
+                kv.release(held)
+        return transfers.to_records(held, payloads, self.layout)
+
+    def release_transfer(self, transfer_id: str) -> None:
+        with self.lock:
+            self.scheduler.release(transfer_id)
+
+    def check_arrived(self, transfer: KvTransfer, arrived_kv: Seq[bytes]) -> dict[int, bytes]:
+        """The prompt blocks of `arrived_kv` this engine can load (`transfers.arrived_blocks`)."""
+        return transfers.arrived_blocks(transfer, arrived_kv, self.layout, self.runner.kv_cache.block_bytes)
 
     # ------------------------------------------------------------------ the step
 

@@ -12,6 +12,12 @@ Lower-tier payloads are read when the sequence is matched, before the step: from
 at once, from disk or a remote store on the tiers' transfer thread while the sequence waits
 (`Prefix.waiting`; the scheduler sets it aside as LOADING_KV). A block a tier cannot return
 intact is simply not part of the prefix and is recomputed.
+
+Disaggregation uses the same path from both ends. A decode sequence arrives with the prompt
+blocks its prefill worker computed (`Sequence.arrived`); the walk takes them after the device's
+own blocks, as loads like a tier's, and recomputes whatever did not arrive. A prefill-only
+sequence's full prompt blocks are held when it finishes (`hold`), referenced so that no
+eviction reuses them, until the decode worker has pulled them or gave up (`release`).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from backends.deepinfer.block_pool import Block, BlockPool
-from backends.deepinfer.outputs import BlockLoad
+from backends.deepinfer.outputs import BlockLoad, LoadSource
 from backends.deepinfer.sequence import Sequence
 from kvbm.tiered import Fetch, Fetched, TieredStore
 from orchestrator.runtime.hashing import block_hashes
@@ -39,11 +45,16 @@ class Prefix:
     `waiting`: a slow tier is still reading more of it; admit the sequence later."""
 
     blocks: list[Block] = field(default_factory=list)
+    arrived: list[tuple[int, bytes]] = field(default_factory=list)  # (seq_hash, payload) from a prefill
     loads: list[Fetched] = field(default_factory=list)
     waiting: bool = False
 
     def __len__(self) -> int:
-        return len(self.blocks) + len(self.loads)
+        return len(self.blocks) + len(self.arrived) + len(self.loads)
+
+    @property
+    def num_to_load(self) -> int:
+        return len(self.arrived) + len(self.loads)
 
 
 class KVCacheManager:
@@ -96,14 +107,22 @@ class KVCacheManager:
         self._hash_blocks(seq, n_full)
         prefix = Prefix()
         cached = self.pool.cached
-        for h in seq.block_hashes[:n_full]:
+        hashes = seq.block_hashes
+        for h in hashes[:n_full]:
             block = cached.get(h)
             if block is None:
                 break
             prefix.blocks.append(block)
-        if self.tiers is not None and len(prefix.blocks) < n_full:
-            rest = seq.block_hashes[len(prefix.blocks) : n_full]
-            prefix.loads, prefix.waiting = self.tiers.fetch_prefix(rest, seq.fetch)
+        if seq.arrived:
+            arrived = seq.arrived
+            for h in hashes[len(prefix.blocks) : n_full]:
+                payload = arrived.get(h)
+                if payload is None:
+                    break
+                prefix.arrived.append((h, payload))
+        found = len(prefix.blocks) + len(prefix.arrived)
+        if self.tiers is not None and found < n_full:
+            prefix.loads, prefix.waiting = self.tiers.fetch_prefix(hashes[found:n_full], seq.fetch)
         return prefix
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: Prefix | None = None) -> bool:
@@ -113,7 +132,9 @@ class KVCacheManager:
         needed = self._blocks_needed(seq, num_new_tokens, prefix_len)
         if needed == 0 and not prefix_len:
             return True  # the common decode step: room left in the last block
-        taken = 0 if prefix is None else sum(1 for b in prefix.blocks if b.ref_count == 0) + len(prefix.loads)
+        taken = (
+            0 if prefix is None else sum(1 for b in prefix.blocks if b.ref_count == 0) + prefix.num_to_load
+        )
         return needed + taken <= self.pool.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: Prefix | None = None) -> None:
@@ -134,19 +155,24 @@ class KVCacheManager:
         for block in prefix.blocks:
             self.pool.ref(block)
             seq.block_table.append(block.block_id)
-        if not prefix.loads:
+        seq.arrived = {}  # taken now, or not part of the prefix: recomputed either way
+        if not prefix.num_to_load:
             return
         parent = seq.block_hashes[len(prefix.blocks) - 1] if prefix.blocks else None
-        for seq_hash, tier, payload in prefix.loads:
+        loads: list[tuple[int, LoadSource, bytes]] = [(h, "transfer", p) for h, p in prefix.arrived]
+        loads += prefix.loads
+        for seq_hash, source, payload in loads:
             block = self._take_free()
             self.pool.cache(block, seq_hash)
             seq.block_table.append(block.block_id)
-            self._loads.append(BlockLoad(block.block_id, tier, payload))
-        hashes = [seq_hash for seq_hash, _, _ in prefix.loads]
-        self._events.append(BlockStored(blocks=hashes, parent_seq_hash=parent))
-        assert self.tiers is not None
-        self.tiers.onboarded(prefix.loads)
-        seq.fetch = Fetch()
+            self._loads.append(BlockLoad(block.block_id, source, payload))
+        self._events.append(
+            BlockStored(blocks=[seq_hash for seq_hash, _, _ in loads], parent_seq_hash=parent)
+        )
+        if prefix.loads:
+            assert self.tiers is not None
+            self.tiers.onboarded(prefix.loads)
+            seq.fetch = Fetch()
 
     def deallocate(self, seq: Sequence) -> None:
         """Release all of `seq`'s blocks; it keeps its tokens and hashes (recompute on resume)."""
@@ -157,6 +183,27 @@ class KVCacheManager:
         seq.block_table.clear()
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
+
+    def hold(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Keep `seq`'s full prompt blocks that entered the prefix cache referenced past its
+        end, for a decode worker to pull; (block_id, seq_hash) of each, in prefix order. Call
+        before `deallocate`."""
+        if not self.enable_prefix_caching:
+            return []  # no hashes to name the blocks by: the decode worker computes the prompt
+        n = min(seq.num_registered_blocks, seq.num_prompt_tokens // self.block_size)
+        held = list(zip(seq.block_table[:n], seq.block_hashes[:n], strict=True))
+        self.retain(held)
+        return held
+
+    def retain(self, held: list[tuple[int, int]]) -> None:
+        """One more reference on blocks `hold` returned (a reader copying them out)."""
+        for block_id, _ in held:
+            self.pool.ref(self.pool.blocks[block_id])
+
+    def release(self, held: list[tuple[int, int]]) -> None:
+        """Drop the references `hold` took; the blocks stay cached until evicted."""
+        for block_id, _ in held:
+            self.pool.release(block_id)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Enter `seq`'s newly computed full blocks into the prefix cache; call after each step."""

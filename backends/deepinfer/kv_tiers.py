@@ -21,12 +21,18 @@ from kvbm.tiered import TieredStore
 from kvbm.transfer import TransferEngine
 
 
+def kv_layout_id(config: EngineConfig, cache: PagedKVCache) -> int:
+    """The id under which this engine's KV blocks are stored and exchanged: equal ids mean a
+    block written by one engine can be loaded by the other (tiers, disaggregation)."""
+    return records.layout_id(config.served_model_name or Path(config.model).name, cache.layout)
+
+
 def build_tiers(config: EngineConfig, cache: PagedKVCache) -> TieredStore | None:
     if not config.host_cache_gb:
         return None
     block_bytes = cache.block_bytes
     name = config.served_model_name or Path(config.model).name
-    layout = records.layout_id(name, cache.layout)
+    layout = kv_layout_id(config, cache)
     host_blocks = int(config.host_cache_gb * 2**30) // block_bytes
     if host_blocks < 1:
         raise ValueError(f"host_cache_gb={config.host_cache_gb} holds no KV block of {block_bytes} bytes")

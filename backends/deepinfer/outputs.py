@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from backends.deepinfer.sequence import Sequence
 from orchestrator.runtime.protocol import Tier
 
+# Where a loaded block comes from: a lower KV tier, or a prefill worker (disaggregation).
+LoadSource = Tier | Literal["transfer"]
+
 
 class BlockLoad(NamedTuple):
-    """A prefix block onboarded from a lower KV tier into device block `block_id`."""
+    """A prefix block onboarded into device block `block_id`, from a lower KV tier or from
+    the KV a prefill worker computed."""
 
     block_id: int
-    tier: Tier
+    source: LoadSource
     payload: bytes  # empty in the mocker, which moves no bytes
 
 
@@ -34,8 +38,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting, blocks freed
-    # Prefix blocks onboarded from lower KV tiers: the runner writes them into the device
-    # cache before the forward, which is the first thing to read them.
+    # Prefix blocks onboarded from lower KV tiers or a prefill worker: the runner writes them
+    # into the device cache during the forward, each layer's before that layer reads them.
     loads: list[BlockLoad] = field(default_factory=list)
 
     @property

@@ -7,6 +7,9 @@ sequence to preempt when blocks run out is always its last one, which has not be
 yet in the current step. Preemption is by recompute: the victim's blocks are freed, it goes
 back to waiting with its tokens, and the prefix cache usually gives most of its KV back.
 
+Disaggregation: a prefill-only request finishes after its first token ("length") with its
+prompt's full blocks held under its request id (`held`), until `release` drops them.
+
 Nothing here touches torch; the model runner reads each ScheduledChunk and `seq.block_table`.
 """
 
@@ -46,6 +49,8 @@ class Scheduler:
         # Waiting sequences whose prefix a slow KV tier is reading; back in `waiting` when done.
         self.loading: list[Sequence] = []
         self._order: dict[str, tuple[int, int]] = {}  # request_id -> (priority, arrival)
+        # transfer id (the prefill-only request's id) -> its held (block_id, seq_hash), in order
+        self.held: dict[str, list[tuple[int, int]]] = {}
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = 0
         self._waiting_tokens = 0  # sum of len(seq) over `waiting`, kept so load reports are cheap
@@ -81,6 +86,12 @@ class Scheduler:
             self._waiting_tokens -= len(seq)
         self._finish(seq, "abort")
         return seq
+
+    def release(self, transfer_id: str) -> None:
+        """Drop the blocks held for a prefill-only request; unknown ids are a no-op."""
+        held = self.held.pop(transfer_id, None)
+        if held is not None:
+            self.kv_cache.release(held)
 
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
@@ -230,11 +241,14 @@ class Scheduler:
         ):
             return "stop"
         limit = self.max_model_len
-        if generated >= request.max_tokens or (limit and len(seq.token_ids) >= limit):
+        if generated >= request.max_tokens or request.prefill_only or (limit and len(seq.token_ids) >= limit):
             return "length"
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.request.prefill_only and reason == "length":
+            self.release(seq.request_id)  # a retry of the same request replaces its hold
+            self.held[seq.request_id] = self.kv_cache.hold(seq)
         self.kv_cache.deallocate(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

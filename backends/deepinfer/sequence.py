@@ -22,6 +22,7 @@ class Sequence:
     the model runs on `token_ids[num_computed_tokens:]`, a chunk at a time during prefill."""
 
     __slots__ = (
+        "arrived",
         "block_hashes",
         "block_table",
         "fetch",
@@ -53,6 +54,9 @@ class Sequence:
         self.finish_reason: str | None = None
         # Lower-tier blocks read for this sequence while it waits (kvbm.TieredStore.fetch_prefix).
         self.fetch = Fetch()
+        # Disaggregation: the prompt blocks a prefill worker computed, by sequence hash, checked
+        # against this engine's layout; taken as prefix hits when the sequence is admitted.
+        self.arrived: dict[int, bytes] = {}
 
     def __len__(self) -> int:
         return len(self.token_ids)

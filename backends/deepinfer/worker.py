@@ -9,6 +9,7 @@ which does not import torch.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence as Seq
 from pathlib import Path
 
 from backends.deepinfer.args import add_deepinfer_arguments, deepinfer_config_from_args
@@ -75,10 +76,16 @@ class DeepInferWorker:
             if tiers is not None:
                 await asyncio.to_thread(tiers.close)  # the transfer thread finishes its queue
 
-    def generate(self, request: WorkerRequest) -> DeltaStream:
+    def generate(self, request: WorkerRequest, arrived_kv: Seq[bytes] = ()) -> DeltaStream:
         if self._async is None:
             raise EngineError("unavailable", "the DeepInfer worker has not been started", retryable=True)
-        return self._async.generate(request)
+        return self._async.generate(request, arrived_kv)
+
+    def read_transfer(self, transfer_id: str) -> list[bytes] | None:
+        return self.engine.read_transfer(transfer_id)
+
+    def release_transfer(self, transfer_id: str) -> None:
+        self.engine.release_transfer(transfer_id)
 
     def load(self) -> LoadReport:
         engine = self.engine

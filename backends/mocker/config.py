@@ -44,6 +44,10 @@ class MockerConfig:
     host_bandwidth_gbps: float = 25.0  # host -> device copies (PCIe 4.0 x16, pinned)
     disk_bandwidth_gbps: float = 5.0  # one local NVMe drive
     remote_bandwidth_gbps: float = 12.5  # a shared store over 100 Gb/s networking
+    # Disaggregation: a decode request waits for its prompt's KV from the prefill worker for
+    # its bytes over this bandwidth (RDMA into the device over a 200 Gb/s NIC), then loads it
+    # as prefix hits at no further cost.
+    transfer_bandwidth_gbps: float = 25.0
 
     def __post_init__(self) -> None:
         if not self.speedup > 0:
@@ -57,7 +61,10 @@ class MockerConfig:
         if self.disk_cache_blocks and not self.host_cache_blocks:
             raise ValueError("a disk tier needs a host tier above it (host_cache_blocks)")
         if not (
-            self.host_bandwidth_gbps > 0 and self.disk_bandwidth_gbps > 0 and self.remote_bandwidth_gbps > 0
+            self.host_bandwidth_gbps > 0
+            and self.disk_bandwidth_gbps > 0
+            and self.remote_bandwidth_gbps > 0
+            and self.transfer_bandwidth_gbps > 0
         ):
             raise ValueError("tier bandwidths must be positive")
         if self.num_layers < 1:

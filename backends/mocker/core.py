@@ -12,23 +12,27 @@ what to do with that, either wait it out (`MockerEngine`) or advance a virtual c
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from statistics import NormalDist
 
 import xxhash
 
+from backends.deepinfer import transfers
 from backends.deepinfer.config import EngineConfig
 from backends.deepinfer.draws import position_bits
 from backends.deepinfer.outputs import SampledToken
 from backends.deepinfer.scheduler import Scheduler
 from backends.deepinfer.sequence import Sequence
 from backends.mocker.config import MockerConfig
+from kvbm import records
 from kvbm.stores import HostStore, RemoteStore
 from kvbm.tiered import TieredStore
 from orchestrator.runtime.protocol import (
     FinishReason,
     KvEventBatch,
     KvSnapshot,
+    KvTransfer,
     LoadReport,
     Usage,
     WorkerRequest,
@@ -45,6 +49,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    kv_transfer: KvTransfer | None = None  # a finished prefill-only request's held KV
 
 
 @dataclass(slots=True)
@@ -72,12 +77,18 @@ class MockerCore:
         self.scheduler = Scheduler(engine_config, config.num_blocks, config.eos_token_ids, tiers=self.tiers)
         self.kv_cache = self.scheduler.kv_cache
         self.timing = config.timing
-        block_bytes = config.kv_bytes_per_token * config.block_size
+        self.block_bytes = config.kv_bytes_per_token * config.block_size
         self._load_ms: dict[str, float] = {
-            "host": block_bytes / (config.host_bandwidth_gbps * 1e6),
-            "disk": block_bytes / (config.disk_bandwidth_gbps * 1e6),
-            "remote": block_bytes / (config.remote_bandwidth_gbps * 1e6),
+            "host": self.block_bytes / (config.host_bandwidth_gbps * 1e6),
+            "disk": self.block_bytes / (config.disk_bandwidth_gbps * 1e6),
+            "remote": self.block_bytes / (config.remote_bandwidth_gbps * 1e6),
+            "transfer": 0.0,  # already in the device: the wait was before admission
         }
+        # Prefill and decode mockers of one model exchange blocks under this id; the records
+        # carry no payload (the mocker moves no bytes), their time is simulated from block_bytes.
+        self.layout = records.layout_id(
+            config.model_name, "mocker", config.block_size, config.kv_bytes_per_token
+        )
         self.clock_ms = 0.0  # simulated time spent in steps so far
         self._eos = config.eos_token_ids[0]
         self._eos_ids = frozenset(config.eos_token_ids)
@@ -86,10 +97,11 @@ class MockerCore:
 
     # ------------------------------------------------------------------ requests
 
-    def add(self, request: WorkerRequest) -> Sequence:
+    def add(self, request: WorkerRequest, arrived: dict[int, bytes] | None = None) -> Sequence:
         """Queue a request and return its sequence; ValueError with a client-facing message if
-        it can never run."""
+        it can never run. `arrived`: the prompt blocks a prefill worker sent (`check_arrived`)."""
         seq = self.scheduler.add(request)
+        seq.arrived = arrived or {}
         seed = request.sampling.seed
         if seed is None:
             seed = xxhash.xxh3_64_intdigest(request.request_id.encode())
@@ -127,6 +139,22 @@ class MockerCore:
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ------------------------------------------------------------------ disaggregation
+
+    def read_transfer(self, transfer_id: str) -> list[bytes] | None:
+        held = self.scheduler.held.get(transfer_id)
+        return None if not held else transfers.to_records(held, [b""] * len(held), self.layout)
+
+    def release_transfer(self, transfer_id: str) -> None:
+        self.scheduler.release(transfer_id)
+
+    def check_arrived(self, transfer: KvTransfer, arrived_kv: Seq[bytes]) -> dict[int, bytes]:
+        return transfers.arrived_blocks(transfer, arrived_kv, self.layout, 0)
+
+    def transfer_ms(self, num_blocks: int) -> float:
+        """Simulated time for `num_blocks` of KV to come from a prefill worker."""
+        return num_blocks * self.block_bytes / (self.config.transfer_bandwidth_gbps * 1e6)
+
     # ------------------------------------------------------------------ one step
 
     def step(self) -> StepResult:
@@ -155,7 +183,7 @@ class MockerCore:
                 sampled.append(SampledToken(token))
         duration = self.timing.with_loads(
             self.timing.step_ms(prefill_tokens, decoding, self.kv_cache.usage),
-            sum(self._load_ms[load.tier] for load in out.loads),
+            sum(self._load_ms[load.source] for load in out.loads),
             self.config.num_layers,
         )
         self.clock_ms += duration
@@ -169,7 +197,9 @@ class MockerCore:
             if result.finished:
                 del self._requests[seq.request_id]
                 reason: FinishReason = "stop" if seq.finish_reason == "stop" else "length"
-                outputs.append(RequestOutput(seq.request_id, token_ids, reason, _usage(seq)))
+                held = self.scheduler.held.get(seq.request_id, [])
+                transfer = transfers.describe(seq.request_id, held, self.layout, self.block_bytes)
+                outputs.append(RequestOutput(seq.request_id, token_ids, reason, _usage(seq), transfer))
             else:
                 outputs.append(RequestOutput(seq.request_id, token_ids))
         return StepResult(duration, outputs)

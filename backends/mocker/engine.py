@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator
+from collections.abc import Sequence as Seq
 
 from backends.deepinfer.sequence import Sequence
 from backends.mocker.config import MockerConfig
@@ -21,6 +22,7 @@ from orchestrator.runtime.protocol import (
     FinishReason,
     KvEventBatch,
     KvSnapshot,
+    KvTransfer,
     LoadReport,
     ModelCard,
     TokenDelta,
@@ -34,7 +36,7 @@ log = logging.getLogger(__name__)
 class _Stream:
     """One request's pending output, drained by its consumer."""
 
-    __slots__ = ("error", "finish_reason", "first", "ready", "seq", "token_ids", "usage")
+    __slots__ = ("error", "finish_reason", "first", "kv_transfer", "ready", "seq", "token_ids", "usage")
 
     def __init__(self, seq: Sequence) -> None:
         self.seq = seq
@@ -42,13 +44,14 @@ class _Stream:
         self.token_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
         self.usage: Usage | None = None
+        self.kv_transfer: KvTransfer | None = None
         self.error: EngineError | None = None
         self.ready = asyncio.Event()
 
     def push(self, out: RequestOutput) -> None:
         self.token_ids += out.token_ids
         if out.finish_reason is not None:
-            self.finish_reason, self.usage = out.finish_reason, out.usage
+            self.finish_reason, self.usage, self.kv_transfer = out.finish_reason, out.usage, out.kv_transfer
         self.ready.set()
 
     def fail(self, error: EngineError) -> None:
@@ -60,7 +63,12 @@ class _Stream:
         self.ready.clear()
         if self.error is not None:
             raise self.error
-        delta = TokenDelta(token_ids=self.token_ids, finish_reason=self.finish_reason, usage=self.usage)
+        delta = TokenDelta(
+            token_ids=self.token_ids,
+            finish_reason=self.finish_reason,
+            usage=self.usage,
+            kv_transfer=self.kv_transfer,
+        )
         if self.first:  # the prefix cache was looked up when the prompt was scheduled
             self.first = False
             delta.cached_tokens = self.seq.num_cached_tokens
@@ -106,11 +114,18 @@ class MockerEngine:
             if final is not None:
                 stream.push(final)
 
-    async def generate(self, request: WorkerRequest) -> AsyncGenerator[TokenDelta, None]:
+    async def generate(
+        self, request: WorkerRequest, arrived_kv: Seq[bytes] = ()
+    ) -> AsyncGenerator[TokenDelta, None]:
         if self._task is None:
             raise EngineError("unavailable", "the mocker engine is not running", retryable=True)
+        arrived = None
+        if request.kv_transfer is not None and arrived_kv:
+            arrived = self.core.check_arrived(request.kv_transfer, arrived_kv)
+            # The KV's trip from the prefill worker, simulated: the other requests step meanwhile.
+            await asyncio.sleep(self.core.transfer_ms(len(arrived)) / (1000.0 * self.config.speedup))
         try:
-            seq = self.core.add(request)
+            seq = self.core.add(request, arrived)
         except ValueError as exc:
             raise EngineError("invalid_request", str(exc)) from None
         stream = self._streams[request.request_id] = _Stream(seq)
@@ -125,6 +140,12 @@ class MockerEngine:
             del self._streams[request.request_id]
             if not finished:  # the caller went away: free the blocks now
                 self.core.abort(request.request_id)
+
+    def read_transfer(self, transfer_id: str) -> list[bytes] | None:
+        return self.core.read_transfer(transfer_id)
+
+    def release_transfer(self, transfer_id: str) -> None:
+        self.core.release_transfer(transfer_id)
 
     def load(self) -> LoadReport:
         return self.core.load()

@@ -7,7 +7,7 @@ its model card in discovery and publishes its KV events and load reports.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 from orchestrator.runtime.protocol import (
@@ -44,9 +44,25 @@ class Engine(Protocol):
     async def stop(self) -> None:
         """Stop the loop; in-flight requests end with finish_reason 'abort'."""
 
-    def generate(self, request: WorkerRequest) -> DeltaStream:
+    def generate(self, request: WorkerRequest, arrived_kv: Sequence[bytes] = ()) -> DeltaStream:
         """Stream deltas for one request; the last has a finish_reason and usage. A request
-        the engine rejects or cannot finish raises EngineError."""
+        the engine rejects or cannot finish raises EngineError.
+
+        Disaggregation: a `prefill_only` request ends after its first token, and its last delta
+        carries a `KvTransfer` naming the blocks the engine now holds (until
+        `release_transfer`). `arrived_kv`, for a request with `kv_transfer`, is the records
+        its host pulled (kvbm records, in `block_hashes` order, possibly fewer than asked: a
+        pull that failed midway): the engine loads those of its layout that check out as
+        prefix hits and computes the rest."""
+        ...
+
+    def read_transfer(self, transfer_id: str) -> list[bytes] | None:
+        """The records of the blocks held for `transfer_id`, in order; None if none are held
+        (unknown, released or never offered). Called off the event loop: it may copy."""
+        ...
+
+    def release_transfer(self, transfer_id: str) -> None:
+        """Free the blocks held for `transfer_id` (pulled, or given up on); unknown ids are a no-op."""
         ...
 
     def load(self) -> LoadReport:

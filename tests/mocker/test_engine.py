@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 
 from backends.mocker.config import MockerConfig
@@ -159,3 +160,45 @@ async def test_the_first_delta_carries_the_prompts_cached_tokens(engine: MockerE
     assert final is not None and final.cached_tokens == 192  # 3 full blocks of 64
     assert deltas[0].cached_tokens == 192
     assert all(d.cached_tokens is None for d in deltas[1:])
+
+
+async def test_a_prefill_then_a_decode_elsewhere_continue_one_stream() -> None:
+    """A prefill-only request ends after one token with the KV it holds; a decode engine given
+    those records loads the prompt instead of computing it, after the transfer's simulated
+    time, and produces what one engine serving the request whole does."""
+    config = MockerConfig(model_name="mock-d", speedup=FAST)
+    whole_engine, prefill, decode = MockerEngine(config), MockerEngine(config), MockerEngine(config)
+    for eng in (whole_engine, prefill, decode):
+        await eng.start()
+    try:
+        whole = [
+            t
+            for d in await collect(whole_engine.generate(request("w", prompt=300, max_tokens=6)))
+            for t in d.token_ids
+        ]
+        first = await collect(
+            prefill.generate(
+                msgspec.structs.replace(request("w", prompt=300, max_tokens=6), prefill_only=True)
+            )
+        )
+        [delta] = first
+        assert delta.token_ids == whole[:1] and delta.finish_reason == "length"
+        transfer = delta.kv_transfer
+        assert transfer is not None and len(transfer.block_hashes) == 300 // 64
+        sent = prefill.read_transfer("w")
+        assert sent is not None and len(sent) == len(transfer.block_hashes)
+        follow = msgspec.structs.replace(
+            request("w", prompt=300, max_tokens=6), generated_token_ids=whole[:1], kv_transfer=transfer
+        )
+        rest = await collect(decode.generate(follow, sent))
+        assert whole[:1] + [t for d in rest for t in d.token_ids] == whole
+        # The prompt's full blocks came from the prefill into the decode's cache (the prompt's
+        # own cache hits are the prefill's to report).
+        assert set(transfer.block_hashes) <= set(decode.kv_snapshot().blocks["device"])
+        assert rest[0].cached_tokens == 0
+        assert decode.core.transfer_ms(4) == pytest.approx(4 * 64 * config.kv_bytes_per_token / 25e6)
+        prefill.release_transfer("w")
+        assert prefill.read_transfer("w") is None
+    finally:
+        for eng in (whole_engine, prefill, decode):
+            await eng.stop()

@@ -1,11 +1,20 @@
 """Serves one `Engine` as a worker: request plane, discovery, KV events, load, drain.
 
 Endpoints on the request plane: `generate` (msgpack WorkerRequest -> msgpack TokenDelta
-stream; an EngineError becomes a typed error frame), `kv_snapshot` (-> one KvSnapshot) and
-`model_files` (-> one ModelFiles: the card's tokenizer files, for a frontend on another disk).
-The same three are typed methods (`generate`, `kv_snapshot`, `model_files`), so an
-in-process frontend (`weir serve`) calls the host as a `WorkerClient`, drain and metrics
-included, without the TCP hop.
+stream; an EngineError becomes a typed error frame), `kv_snapshot` (-> one KvSnapshot),
+`model_files` (-> one ModelFiles: the card's tokenizer files, for a frontend on another disk)
+and `kv_blocks` (a held KV transfer's records, for a decode worker: kv_transfer.py). The
+first three are typed methods (`generate`, `kv_snapshot`, `model_files`), so an in-process
+frontend (`weir serve`) calls the host as a `WorkerClient`, drain and metrics included,
+without the TCP hop.
+
+Disaggregation goes through `generate`, so in-process callers get it too. The last delta of
+a prefill-only request carries the engine's `KvTransfer`; the host fills in where to pull it
+(instance id, request-plane address, host id) and holds it for one pull or `kv_hold_s`
+(kv_transfer_server.py). A request with `kv_transfer` first pulls the records from that
+worker (shared memory on one host, else TCP, with the host's own `PlaneSecurity`; at most
+`kv_pull_timeout_s`; cancelling the request stops the pull) and hands what arrived to
+`engine.generate(request, arrived_kv)`: the engine recomputes whatever is missing.
 
 Every ~15 ms the host takes the engine's KV event batches and publishes them on
 `subject(ns, model, "kv")`, and publishes a LoadReport on `.load` when it changed or a second
@@ -33,10 +42,13 @@ import msgspec
 
 from orchestrator.runtime import worker_metrics as metrics
 from orchestrator.runtime.discovery import Discovery, DiscoveryUnavailable, drain_key, drained_key
-from orchestrator.runtime.engine import Engine
+from orchestrator.runtime.engine import DeltaStream, Engine
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.events import EventPlane
 from orchestrator.runtime.hashing import block_hashes
+from orchestrator.runtime.kv_transfer import KV_PULL_BACKLOG_BYTES, host_id
+from orchestrator.runtime.kv_transfer_client import pull_kv
+from orchestrator.runtime.kv_transfer_server import DEFAULT_HOLD_S, KvTransferServer
 from orchestrator.runtime.model_files import read_model_files
 from orchestrator.runtime.protocol import (
     Instance,
@@ -49,9 +61,11 @@ from orchestrator.runtime.protocol import (
 )
 from orchestrator.runtime.request_plane import (
     GENERATE,
+    KV_BLOCKS,
     KV_SNAPSHOT,
     MODEL_FILES,
     PlaneSecurity,
+    RequestPlaneClient,
     RequestPlaneServer,
     dial_address,
 )
@@ -62,6 +76,7 @@ log = logging.getLogger(__name__)
 _encode = msgspec.msgpack.Encoder().encode
 _decode_request = msgspec.msgpack.Decoder(WorkerRequest).decode
 LOAD_HEARTBEAT_S = 1.0
+DEFAULT_KV_PULL_TIMEOUT_S = 10.0
 
 
 def default_instance_id() -> str:
@@ -81,6 +96,8 @@ class WorkerHost:
         advertise_host: str | None = None,
         publish_interval: float = 0.015,
         security: PlaneSecurity | None = None,
+        kv_hold_s: float = DEFAULT_HOLD_S,
+        kv_pull_timeout_s: float = DEFAULT_KV_PULL_TIMEOUT_S,
     ) -> None:
         self.engine = engine
         self.discovery = discovery
@@ -94,10 +111,19 @@ class WorkerHost:
         self.instance: Instance | None = None
         self.in_flight = 0
         self.draining = False
+        self.kv_pull_timeout_s = kv_pull_timeout_s
+        self.kv = KvTransferServer(engine, self.instance_id, kv_hold_s)
         self._server = RequestPlaneServer(
-            {GENERATE: self._generate, KV_SNAPSHOT: self._kv_snapshot, MODEL_FILES: self._model_files},
+            {
+                GENERATE: self._generate,
+                KV_SNAPSHOT: self._kv_snapshot,
+                MODEL_FILES: self._model_files,
+                KV_BLOCKS: self.kv.serve,
+            },
             security,
         )
+        # Pulls dial other workers as this cluster's member: the same secret and TLS.
+        self._kv_client = RequestPlaneClient(security=security, max_backlog_bytes=KV_PULL_BACKLOG_BYTES)
         self._idle = asyncio.Event()
         self._idle.set()
         self._drained: asyncio.Future[None] | None = None
@@ -145,6 +171,8 @@ class WorkerHost:
             # must not find it and drain at once.
             await self.discovery.delete(drain_key(self.instance_id))
         await self._server.stop()
+        await self._kv_client.close()
+        self.kv.close()
         await self.engine.stop()
         metrics.forget(self.instance_id)
 
@@ -173,16 +201,33 @@ class WorkerHost:
         self.in_flight += 1
         self._idle.clear()
         outcome = "cancelled"
-        stream = self.engine.generate(request)
+        stream: DeltaStream | None = None
         try:
+            if request.kv_transfer is None:
+                # Engines that predate disaggregation take no `arrived_kv`.
+                stream = self.engine.generate(request)
+            else:
+                arrived = await pull_kv(
+                    self._kv_client, request.kv_transfer, self.kv_pull_timeout_s, worker_id=self.instance_id
+                )
+                stream = self.engine.generate(request, arrived)
             async for delta in stream:
+                if delta.kv_transfer is not None:
+                    delta.kv_transfer = msgspec.structs.replace(
+                        delta.kv_transfer,
+                        source_worker=self.instance_id,
+                        address=self.address,
+                        host_id=host_id(),
+                    )
+                    self.kv.offer(delta.kv_transfer)
                 yield delta
             outcome = "ok"
         except EngineError:
             outcome = "error"
             raise
         finally:
-            await stream.aclose()
+            if stream is not None:
+                await stream.aclose()
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
@@ -249,6 +294,13 @@ class WorkerHost:
         if request.block_hashes and request.block_hashes != hashes:
             raise EngineError("invalid_request", "block_hashes do not match the request's tokens")
         request.block_hashes = hashes
+        # A decode pulls at most the transfer's blocks: they must be this request's own
+        # prompt blocks, which also bounds how much a forged descriptor can make it pull.
+        transfer = request.kv_transfer
+        if transfer is not None and transfer.block_hashes != hashes[: len(transfer.block_hashes)]:
+            raise EngineError(
+                "invalid_request", "kv_transfer.block_hashes are not the request's prompt blocks"
+            )
 
     async def _kv_snapshot(self, payload: bytes) -> AsyncGenerator[bytes, None]:
         yield _encode(await self.kv_snapshot())

@@ -7,6 +7,7 @@ from orchestrator.runtime.request_plane.security import PlaneSecurity
 from orchestrator.runtime.request_plane.server import Handler, RequestPlaneServer, dial_address
 from orchestrator.runtime.request_plane.worker_client import (
     GENERATE,
+    KV_BLOCKS,
     KV_SNAPSHOT,
     MODEL_FILES,
     TcpWorkerClient,
@@ -15,6 +16,7 @@ from orchestrator.runtime.request_plane.worker_client import (
 
 __all__ = [
     "GENERATE",
+    "KV_BLOCKS",
     "KV_SNAPSHOT",
     "MODEL_FILES",
     "Handler",

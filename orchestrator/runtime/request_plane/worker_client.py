@@ -20,6 +20,8 @@ from orchestrator.runtime.request_plane.client import RequestPlaneClient, Respon
 GENERATE = "generate"
 KV_SNAPSHOT = "kv_snapshot"
 MODEL_FILES = "model_files"
+# The KV data plane (orchestrator/runtime/kv_transfer.py): a prefill worker's held KV records.
+KV_BLOCKS = "kv_blocks"
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode_delta = msgspec.msgpack.Decoder(TokenDelta).decode

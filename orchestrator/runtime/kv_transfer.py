@@ -1,0 +1,173 @@
+"""The KV data plane's wire format and limits: how a decode worker pulls a prefill's KV.
+
+A prefill-only request ends holding its prompt's KV; its last delta carries a `KvTransfer`
+(protocol.py). The decode worker calls the prefill's request-plane endpoint `kv_blocks` with
+a `KvBlocksCall`; the answer is a stream of `KvAnswer` frames, the records in order:
+
+- `KvRecords`: records inline, batched so a frame stays near `KV_FRAME_BYTES` (well under the
+  caller's `MAX_ANSWER_BYTES`); the path between hosts.
+- `KvShared`: records written into a shared-memory segment on this host (a file in
+  `/dev/shm`, which is what POSIX `shm_open` makes on Linux), one frame per batch as it is
+  written, so the caller copies batch k out while the server writes batch k+1. The caller
+  claims the segment by unlinking it on first sight; the server unlinks one still there at
+  its expiry, so a caller that died leaks nothing. Plain files rather than
+  `multiprocessing.shared_memory`: its resource tracker would unlink (and warn about)
+  segments the other process still owns.
+
+A server falls back to `KvRecords` mid-stream when the segment cannot be written (a full
+`/dev/shm`). Records are opaque here (kvbm records, checked by the engine); the caller only
+bounds their number and size. Each transfer is served once: the server releases the blocks
+after it, whatever the outcome, and a decode worker recomputes what did not arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import re
+import secrets
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import msgspec
+
+from orchestrator.runtime.request_plane.security import MAX_ANSWER_BYTES
+
+# What a record may carry beyond `KvTransfer.block_bytes` of payload: kvbm's header
+# (sequence hash, layout, checksum) with room to grow.
+RECORD_HEADER_ALLOWANCE = 4096
+# The largest record either transport accepts: one record must fit one answer frame.
+MAX_RECORD_BYTES = MAX_ANSWER_BYTES - 1024
+# Batch size of an answer frame: big enough that per-frame costs vanish, small enough to keep
+# a few frames' backlog cheap.
+KV_FRAME_BYTES = 4 * 1024 * 1024
+# A pull's client may buffer this much of one stream before it is cancelled (client.py).
+KV_PULL_BACKLOG_BYTES = 16 * KV_FRAME_BYTES
+# Records per batch: under Linux's IOV_MAX (1024) for the segment's vectored writes.
+MAX_BATCH_RECORDS = 512
+SHM_DIR = Path("/dev/shm")
+_SEGMENT_NAME = re.compile(r"weir-kv-[0-9a-f]{32}")
+T = TypeVar("T")
+
+
+class KvBlocksCall(msgspec.Struct, array_like=True):
+    """The `kv_blocks` payload. `host_id`: the caller's, when it can read this host's shared
+    memory (its `host_id()` equals the transfer's); empty asks for the TCP stream."""
+
+    transfer_id: str
+    host_id: str = ""
+
+
+class KvRecords(msgspec.Struct, tag=1, array_like=True):
+    records: list[bytes]
+
+
+class KvShared(msgspec.Struct, tag=2, array_like=True):
+    """The next records lie in `segment` (a name in SHM_DIR), back to back from `offset`."""
+
+    segment: str
+    offset: int
+    sizes: list[int]
+
+
+KvAnswer = KvRecords | KvShared
+
+encode = msgspec.msgpack.Encoder().encode
+decode_call = msgspec.msgpack.Decoder(KvBlocksCall).decode
+decode_answer = msgspec.msgpack.Decoder(KvAnswer).decode
+
+
+@functools.cache
+def host_id() -> str:
+    """Who shares this machine's shared memory: the kernel's boot id, the host name (pods on
+    one node share the kernel, not /dev/shm) and the identity of the /dev/shm mount (two
+    containers given one host name still mount their own). Empty when there is no /dev/shm:
+    then every pull goes over TCP."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        shm = SHM_DIR.stat()
+    except OSError:
+        return ""
+    return f"{boot}/{socket.gethostname()}/{shm.st_dev}:{shm.st_ino}"
+
+
+def new_segment() -> tuple[str, int]:
+    """A fresh segment only this user can read: its name and a descriptor open for writing."""
+    name = f"weir-kv-{secrets.token_hex(16)}"
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return name, os.open(SHM_DIR / name, flags, 0o600)
+
+
+def open_segment(name: str) -> int:
+    """Open the segment a server named and claim it (unlink: it lives on through the
+    descriptor). Only names of our own pattern: a server never makes us touch another file."""
+    if not _SEGMENT_NAME.fullmatch(name):
+        raise ValueError(f"not a KV segment name: {name!r}")
+    path = SHM_DIR / name
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    os.unlink(path)
+    return fd
+
+
+def unlink_segment(name: str) -> bool:
+    """Remove a segment its caller never claimed; False if it was claimed (already gone)."""
+    try:
+        os.unlink(SHM_DIR / name)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+async def in_thread_on(fd: int, call: Callable[..., T], *args: object) -> T:
+    """`call(copy, *args)` in a thread, on a duplicate of `fd` that the thread closes. A
+    cancelled pull closes `fd` at once while the thread may still be copying; with its own
+    descriptor the thread can never touch a file opened later under the same number."""
+    copy = os.dup(fd)
+
+    def run() -> T:
+        try:
+            return call(copy, *args)
+        finally:
+            os.close(copy)
+
+    return await asyncio.to_thread(run)
+
+
+def write_records(fd: int, records: list[bytes], offset: int) -> None:
+    """Blocking: `records` into the segment at `offset`, one system call (no user-space copy)."""
+    size = sum(map(len, records))
+    if os.pwritev(fd, records, offset) != size:
+        raise OSError(f"short write of {size} bytes into a KV segment")
+
+
+def read_records(fd: int, offset: int, sizes: list[int]) -> list[bytes]:
+    """Blocking: the records of `sizes` from `offset`; each `pread` fills a fresh bytes object
+    straight from the segment (the one copy this side makes)."""
+    records: list[bytes] = []
+    for size in sizes:
+        record = os.pread(fd, size, offset)
+        if len(record) != size:
+            raise OSError("a KV segment is shorter than its answer said")
+        records.append(record)
+        offset += size
+    return records
+
+
+def batches(records: list[bytes], limit: int = KV_FRAME_BYTES) -> list[list[bytes]]:
+    """`records` in consecutive groups of about `limit` bytes (a larger record goes alone) and
+    at most MAX_BATCH_RECORDS records."""
+    groups: list[list[bytes]] = []
+    group: list[bytes] = []
+    size = 0
+    for record in records:
+        if group and (size + len(record) > limit or len(group) == MAX_BATCH_RECORDS):
+            groups.append(group)
+            group, size = [], 0
+        group.append(record)
+        size += len(record)
+    if group:
+        groups.append(group)
+    return groups

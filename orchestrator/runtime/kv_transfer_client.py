@@ -1,0 +1,135 @@
+"""The decode side of the KV data plane: `pull_kv` fetches a transfer's records from the
+prefill worker that holds them (kv_transfer.py has the wire format).
+
+A pull never raises for what the network or the other worker does: it returns the records
+that arrived, in order, possibly none, and the decode engine recomputes the rest. So a
+prefill worker SIGKILLed mid-transfer costs its request some recompute, never the request.
+It accepts no more records than the transfer names and none larger than its block size
+allows: the first record over either bound ends the pull (later ones could not extend a
+contiguous prefix anyway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from orchestrator.runtime import worker_metrics as metrics
+from orchestrator.runtime.errors import EngineError
+from orchestrator.runtime.kv_transfer import (
+    MAX_RECORD_BYTES,
+    RECORD_HEADER_ALLOWANCE,
+    KvAnswer,
+    KvBlocksCall,
+    KvRecords,
+    KvShared,
+    decode_answer,
+    encode,
+    host_id,
+    in_thread_on,
+    open_segment,
+    read_records,
+)
+from orchestrator.runtime.protocol import KvTransfer
+from orchestrator.runtime.request_plane.client import RequestPlaneClient
+from orchestrator.runtime.request_plane.worker_client import KV_BLOCKS
+from orchestrator.runtime.throttled_log import ThrottledWarning
+
+log = logging.getLogger(__name__)
+_warn = ThrottledWarning(log)
+
+
+class _Refused(ValueError):
+    pass
+
+
+class _Pull:
+    """What one pull has accepted, and the claimed segment it reads from, if any."""
+
+    def __init__(self, wanted: int, max_record: int, worker_id: str) -> None:
+        self.wanted = wanted
+        self.max_record = max_record
+        self.worker_id = worker_id
+        self.records: list[bytes] = []
+        self.size = 0
+        self.transport = "tcp"
+        self._segment = ""
+        self._fd: int | None = None
+
+    async def take(self, answer: KvAnswer) -> None:
+        if isinstance(answer, KvRecords):
+            count, refused = self._acceptable([len(r) for r in answer.records])
+            accepted = answer.records[:count]
+        else:
+            count, refused = self._acceptable(answer.sizes)
+            accepted = await self._read(answer, count) if count else []
+        self.records += accepted
+        self.size += sum(map(len, accepted))
+        if refused:
+            metrics.KV_RECORDS_REFUSED.labels(self.worker_id, refused).inc()
+            raise _Refused(f"refused a record: {refused}")
+
+    async def _read(self, answer: KvShared, count: int) -> list[bytes]:
+        if self._fd is None:  # claimed (unlinked) on first sight: gone even if this pull dies
+            self._fd, self._segment, self.transport = open_segment(answer.segment), answer.segment, "shm"
+        elif answer.segment != self._segment:
+            raise ValueError("the answer switched shared-memory segments")
+        return await in_thread_on(self._fd, read_records, answer.offset, answer.sizes[:count])
+
+    def _acceptable(self, sizes: list[int]) -> tuple[int, str]:
+        """How many of `sizes` may be taken, and why the next one may not ("" if all may)."""
+        room = self.wanted - len(self.records)
+        for i, size in enumerate(sizes):
+            if i >= room:
+                return i, "surplus"
+            if size > self.max_record:
+                return i, "oversized"
+        return len(sizes), ""
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+async def pull_kv(
+    client: RequestPlaneClient, transfer: KvTransfer, timeout_s: float, *, worker_id: str = ""
+) -> list[bytes]:
+    """The records of `transfer`, in order, from the worker holding them: through shared
+    memory when it is on this host, else streamed over the request plane. On a failure or
+    after `timeout_s`, the records that arrived before it (cancelling the caller stops the
+    pull). `worker_id` labels the metrics."""
+    wanted = len(transfer.block_hashes)
+    if not wanted or not transfer.address:
+        return []
+    max_record = min(transfer.block_bytes + RECORD_HEADER_ALLOWANCE, MAX_RECORD_BYTES)
+    local = bool(transfer.host_id) and transfer.host_id == host_id()
+    call = KvBlocksCall(transfer.transfer_id, host_id() if local else "")
+    pull = _Pull(wanted, max_record, worker_id)
+    stream = client.stream(transfer.address, KV_BLOCKS, encode(call))
+    start = time.monotonic()
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for payload in stream:
+                await pull.take(decode_answer(payload))
+    except (EngineError, TimeoutError, OSError, ValueError) as exc:  # ValueError: decode errors too
+        _warn(
+            "worker %s: KV pull of %s from %s ended with %d of %d records: %r",
+            worker_id,
+            transfer.transfer_id[:80],
+            transfer.address,
+            len(pull.records),
+            wanted,
+            exc,
+        )
+    finally:
+        await stream.aclose()
+        pull.close()
+        got = len(pull.records)
+        outcome = "ok" if got == wanted else "partial" if got else "failed"
+        metrics.observe_transfer(
+            worker_id, "pulled", pull.transport, outcome, pull.size, time.monotonic() - start
+        )
+    return pull.records

@@ -1,0 +1,380 @@
+"""The KV data plane: WorkerHosts on real request-plane sockets, a prefill host holding
+FakeEngine records and a decode host pulling them (shared memory and TCP), expiry, a killed
+prefill process, refused records, the cluster secret, and /dev/shm left clean."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncGenerator, AsyncIterator
+from pathlib import Path
+
+import msgspec
+import pytest
+from prometheus_client import REGISTRY
+
+from orchestrator.runtime.discovery import Discovery, make_discovery
+from orchestrator.runtime.errors import EngineError
+from orchestrator.runtime.events import EventPlane, make_event_plane
+from orchestrator.runtime.hashing import block_hashes
+from orchestrator.runtime.kv_transfer import (
+    SHM_DIR,
+    KvBlocksCall,
+    KvRecords,
+    KvShared,
+    decode_answer,
+    host_id,
+)
+from orchestrator.runtime.kv_transfer_client import pull_kv
+from orchestrator.runtime.protocol import KvTransfer, TokenDelta, WorkerRequest
+from orchestrator.runtime.request_plane import (
+    KV_BLOCKS,
+    PlaneSecurity,
+    RequestPlaneClient,
+    RequestPlaneServer,
+    TcpWorkerClient,
+)
+from orchestrator.runtime.worker_host import WorkerHost
+from tests.runtime.fake_engine import BLOCK_SIZE, FakeEngine, fake_record
+from tests.waiting import eventually
+
+REPO = Path(__file__).resolve().parents[2]
+SECRET = b"k" * 32
+PROMPT = list(range(1, 4 * BLOCK_SIZE + 3))  # 4 full blocks and a partial one
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def segments() -> set[str]:
+    return {p.name for p in SHM_DIR.glob("weir-kv-*")}
+
+
+@pytest.fixture(autouse=True)
+async def no_segment_left() -> AsyncIterator[None]:
+    before = segments()
+    yield
+    await eventually(lambda: segments() <= before)
+
+
+@pytest.fixture
+async def planes() -> AsyncIterator[tuple[Discovery, EventPlane]]:
+    discovery, events = make_discovery(None, "test"), make_event_plane(None)
+    yield discovery, events
+    await events.close()
+    await discovery.close()
+
+
+async def started(
+    planes: tuple[Discovery, EventPlane], name: str, engine: FakeEngine | None = None, **kwargs: object
+) -> WorkerHost:
+    host = WorkerHost(engine or FakeEngine(), *planes, namespace="test", instance_id=name, **kwargs)  # type: ignore[arg-type]
+    await host.start()
+    return host
+
+
+async def collect(stream: AsyncIterator[TokenDelta]) -> list[TokenDelta]:
+    return [delta async for delta in stream]
+
+
+async def prefill(host: WorkerHost, request_id: str = "p") -> KvTransfer:
+    deltas = await collect(
+        host.generate(WorkerRequest(request_id=request_id, token_ids=PROMPT, max_tokens=8, prefill_only=True))
+    )
+    transfer = deltas[-1].kv_transfer
+    assert transfer is not None
+    return transfer
+
+
+def decode_request(transfer: KvTransfer, request_id: str = "d") -> WorkerRequest:
+    return WorkerRequest(
+        request_id=request_id,
+        token_ids=PROMPT,
+        max_tokens=3,
+        kv_transfer=transfer,
+        generated_token_ids=[len(PROMPT)],
+    )
+
+
+def expected_records(record_bytes: int) -> list[bytes]:
+    return [fake_record(h, record_bytes) for h in block_hashes(PROMPT, BLOCK_SIZE)]
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+async def test_a_decode_gets_exactly_the_prefills_records(
+    planes: tuple[Discovery, EventPlane], transport: str
+) -> None:
+    # 1 MiB records: several answer frames and shared-memory batches per transfer.
+    p = await started(planes, f"p-{transport}", FakeEngine(record_bytes=1 << 20))
+    d = await started(planes, f"d-{transport}")
+    client = RequestPlaneClient()
+    try:
+        [last] = await collect(
+            TcpWorkerClient(client, p.address).generate(
+                WorkerRequest(request_id="p", token_ids=PROMPT, max_tokens=8, prefill_only=True)
+            )
+        )
+        transfer = last.kv_transfer
+        assert transfer is not None and p.kv.holds(transfer.transfer_id)
+        assert (transfer.source_worker, transfer.address, transfer.host_id) == (
+            p.instance_id,
+            p.address,
+            host_id(),
+        )
+        if transport == "tcp":
+            transfer.host_id = "another-machine"
+        deltas = await collect(TcpWorkerClient(client, d.address).generate(decode_request(transfer)))
+        assert deltas[-1].finish_reason == "length"
+        assert isinstance(d.engine, FakeEngine) and isinstance(p.engine, FakeEngine)
+        assert d.engine.arrived["d"] == expected_records(1 << 20)
+        # Served once, then released.
+        await eventually(lambda: not p.kv.holds(transfer.transfer_id))
+        assert p.engine.released == [transfer.transfer_id]
+        size = 4 << 20
+        assert (
+            metric(
+                "weir_worker_kv_transfer_bytes_total",
+                worker=d.instance_id,
+                direction="pulled",
+                transport=transport,
+            )
+            == size
+        )
+        assert (
+            metric("weir_worker_kv_transfers_total", worker=p.instance_id, direction="served", outcome="ok")
+            == 1
+        )
+        assert (
+            metric("weir_worker_kv_transfers_total", worker=d.instance_id, direction="pulled", outcome="ok")
+            == 1
+        )
+        # A second pull of the same transfer finds nothing (and does not raise).
+        assert await pull_kv(client, transfer, 5) == []
+    finally:
+        await client.close()
+        await d.stop()
+        await p.stop()
+
+
+async def test_in_process_hosts_pull_through_generate(planes: tuple[Discovery, EventPlane]) -> None:
+    """`weir serve` calls `host.generate` directly: the same path pulls."""
+    p, d = await started(planes, "p-inproc"), await started(planes, "d-inproc")
+    try:
+        transfer = await prefill(p)
+        plain = await collect(d.generate(WorkerRequest(request_id="plain", token_ids=PROMPT, max_tokens=2)))
+        assert plain[-1].finish_reason == "length"
+        await collect(d.generate(decode_request(transfer)))
+        assert isinstance(d.engine, FakeEngine)
+        assert "plain" not in d.engine.arrived and d.engine.arrived["d"] == expected_records(256)
+    finally:
+        await d.stop()
+        await p.stop()
+
+
+async def test_an_unpulled_transfer_is_released_at_expiry(planes: tuple[Discovery, EventPlane]) -> None:
+    p = await started(planes, "p-expiry", kv_hold_s=0.05)
+    d = await started(planes, "d-expiry")
+    try:
+        transfer = await prefill(p)
+        assert isinstance(p.engine, FakeEngine)
+        await eventually(lambda: p.engine.released == [transfer.transfer_id])  # type: ignore[union-attr]
+        assert (
+            metric(
+                "weir_worker_kv_transfers_total", worker=p.instance_id, direction="served", outcome="expired"
+            )
+            == 1
+        )
+        # The decode still runs: nothing arrived, so the engine computes the whole prompt.
+        deltas = await collect(d.generate(decode_request(transfer)))
+        assert deltas[-1].finish_reason == "length"
+        assert isinstance(d.engine, FakeEngine) and d.engine.arrived["d"] == []
+        assert (
+            metric(
+                "weir_worker_kv_transfers_total", worker=d.instance_id, direction="pulled", outcome="failed"
+            )
+            == 1
+        )
+    finally:
+        await d.stop()
+        await p.stop()
+
+
+async def test_an_unclaimed_segment_is_removed_at_expiry(planes: tuple[Discovery, EventPlane]) -> None:
+    """A caller that asked for shared memory and vanished before reading leaks nothing."""
+    p = await started(planes, "p-segment", kv_hold_s=0.2)
+    client = RequestPlaneClient()
+    try:
+        transfer = await prefill(p)
+        call = msgspec.msgpack.encode(KvBlocksCall(transfer.transfer_id, host_id()))
+        stream = client.stream(p.address, KV_BLOCKS, call)
+        answer = decode_answer(await anext(stream))
+        await stream.aclose()
+        assert isinstance(answer, KvShared) and (SHM_DIR / answer.segment).exists()
+        await eventually(lambda: not (SHM_DIR / answer.segment).exists())
+        assert isinstance(p.engine, FakeEngine) and p.engine.released == [transfer.transfer_id]
+    finally:
+        await client.close()
+        await p.stop()
+
+
+KILLED_WORKER = """
+import asyncio, sys
+from orchestrator.runtime.kv_transfer import KvRecords, encode
+from orchestrator.runtime.request_plane import KV_BLOCKS, RequestPlaneServer
+from tests.runtime.fake_engine import fake_record
+
+async def kv_blocks(payload):
+    yield encode(KvRecords([fake_record(1, 4096), fake_record(2, 4096)]))
+    await asyncio.sleep(0)  # the frame is flushed on the next loop iteration
+    await asyncio.sleep(0)
+    print("sent", flush=True)
+    await asyncio.Event().wait()  # SIGKILLed here, mid-transfer
+
+async def main():
+    server = RequestPlaneServer({KV_BLOCKS: kv_blocks})
+    print(await server.start("127.0.0.1", 0), flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+async def test_a_prefill_worker_killed_mid_transfer_leaves_the_prefix_that_arrived() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WORKER], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    client = RequestPlaneClient()
+    try:
+        assert proc.stdout is not None
+        port = int(await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30))
+        transfer = KvTransfer(
+            transfer_id="t", address=f"127.0.0.1:{port}", block_hashes=[1, 2, 3, 4], block_bytes=4096
+        )
+        pull = asyncio.create_task(pull_kv(client, transfer, 30, worker_id="killed"))
+        assert await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30) == "sent\n"
+        os.kill(proc.pid, signal.SIGKILL)
+        assert await asyncio.wait_for(pull, 10) == [fake_record(1, 4096), fake_record(2, 4096)]
+        assert (
+            metric("weir_worker_kv_transfers_total", worker="killed", direction="pulled", outcome="partial")
+            == 1
+        )
+    finally:
+        proc.kill()
+        proc.wait()
+        await client.close()
+
+
+async def answering(frames: list[bytes]) -> RequestPlaneServer:
+    async def kv_blocks(payload: bytes) -> AsyncGenerator[bytes, None]:
+        for frame in frames:
+            yield frame
+
+    server = RequestPlaneServer({KV_BLOCKS: kv_blocks})
+    await server.start()
+    return server
+
+
+GOOD = [b"a" * 100, b"b" * 100, b"c" * 100]
+
+
+@pytest.mark.parametrize(
+    ("answer", "kept", "reason"),
+    [
+        ([KvRecords([*GOOD[:2], b"x" * 5000])], 2, "oversized"),
+        ([KvRecords(GOOD[:2]), KvRecords([GOOD[2], b"d" * 100])], 3, "surplus"),
+        # Declared sizes are checked before the segment is opened or read.
+        ([KvRecords(GOOD[:1]), KvShared("weir-kv-" + "0" * 32, 0, [1 << 30])], 1, "oversized"),
+    ],
+)
+async def test_oversized_and_surplus_records_are_refused(
+    answer: list[KvRecords | KvShared], kept: int, reason: str
+) -> None:
+    server = await answering([msgspec.msgpack.encode(frame) for frame in answer])
+    client = RequestPlaneClient()
+    worker = f"refusing-{reason}-{kept}"
+    try:
+        transfer = KvTransfer(
+            transfer_id="t", address=f"127.0.0.1:{server.port}", block_hashes=[1, 2, 3], block_bytes=100
+        )
+        assert await pull_kv(client, transfer, 5, worker_id=worker) == GOOD[:kept]
+        assert metric("weir_worker_kv_records_refused_total", worker=worker, reason=reason) == 1
+    finally:
+        await client.close()
+        await server.stop()
+
+
+async def test_a_segment_name_outside_the_pattern_is_never_opened() -> None:
+    server = await answering([msgspec.msgpack.encode(KvShared("../../etc/passwd", 0, [10]))])
+    client = RequestPlaneClient()
+    try:
+        transfer = KvTransfer(
+            transfer_id="t", address=f"127.0.0.1:{server.port}", block_hashes=[1], block_bytes=100
+        )
+        assert await pull_kv(client, transfer, 5) == []
+    finally:
+        await client.close()
+        await server.stop()
+
+
+async def test_with_a_cluster_secret_only_members_pull(planes: tuple[Discovery, EventPlane]) -> None:
+    security = PlaneSecurity(secret=SECRET)
+    p = await started(planes, "p-secret", security=security)
+    d = await started(planes, "d-secret", security=security)
+    stranger = RequestPlaneClient()
+    try:
+        transfer = await prefill(p)
+        assert await pull_kv(stranger, transfer, 5) == []
+        assert p.kv.holds(transfer.transfer_id)  # the call never reached the server
+        await collect(d.generate(decode_request(transfer)))
+        assert isinstance(d.engine, FakeEngine) and d.engine.arrived["d"] == expected_records(256)
+    finally:
+        await stranger.close()
+        await d.stop()
+        await p.stop()
+
+
+async def test_cancelling_the_decode_stops_the_pull(planes: tuple[Discovery, EventPlane]) -> None:
+    first_sent, closed = asyncio.Event(), asyncio.Event()
+
+    async def kv_blocks(payload: bytes) -> AsyncGenerator[bytes, None]:
+        try:
+            yield msgspec.msgpack.encode(KvRecords([b"a" * 100]))
+            first_sent.set()
+            await asyncio.Event().wait()
+        finally:
+            closed.set()
+
+    server = RequestPlaneServer({KV_BLOCKS: kv_blocks})
+    await server.start()
+    d = await started(planes, "d-cancel")
+    try:
+        transfer = KvTransfer(
+            transfer_id="t", address=f"127.0.0.1:{server.port}", block_hashes=[1, 2], block_bytes=100
+        )
+        decode = asyncio.create_task(collect(d.generate(decode_request(transfer))))
+        await asyncio.wait_for(first_sent.wait(), 5)
+        decode.cancel()
+        await asyncio.wait_for(closed.wait(), 5)
+        assert d.in_flight == 0
+    finally:
+        await d.stop()
+        await server.stop()
+
+
+async def test_a_transfer_naming_other_blocks_is_refused_on_the_wire(
+    planes: tuple[Discovery, EventPlane],
+) -> None:
+    d = await started(planes, "d-forged")
+    client = RequestPlaneClient()
+    try:
+        forged = KvTransfer(transfer_id="t", address=d.address, block_hashes=[1, 2], block_bytes=100)
+        with pytest.raises(EngineError) as refused:
+            await collect(TcpWorkerClient(client, d.address).generate(decode_request(forged)))
+        assert refused.value.code == "invalid_request"
+    finally:
+        await client.close()
+        await d.stop()

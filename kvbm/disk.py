@@ -170,7 +170,9 @@ class DiskStore:
         try:
             with self._buffer() as view:
                 got = os.preadv(self._fd, [view], slot * self.slot_bytes)
-                payload = records.decode(view[:got], seq_hash, self.layout)
+                checked = records.decode(view[:got], seq_hash, self.layout)
+                # The buffer is reused by the next read: the payload leaves as a copy.
+                payload = None if checked is None else bytes(checked)
             if payload is None:
                 log.warning("%s: block %016x in slot %d failed its check, dropped", self.path, seq_hash, slot)
         finally:  # a block that could not be read intact is dropped
@@ -204,7 +206,7 @@ class DiskStore:
             self._dropped.remove(slot)
         self._wipe(slot)
 
-    def put(self, seq_hash: int, payload: bytes) -> list[int]:
+    def put(self, seq_hash: int, payload: records.Payload) -> list[int]:
         """Store a block; a disk too full to take it stores nothing (the evicted hashes are
         still returned: those blocks are gone)."""
         with self._lock:

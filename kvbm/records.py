@@ -20,6 +20,10 @@ MAGIC = b"WEIRKV01"
 HEADER = struct.Struct("<8sQQQI")
 HEADER_BYTES = HEADER.size
 
+# A block's KV as the stores hand it around: bytes, or a view into a record or a buffer that
+# the holder keeps alive (no copy of a block's megabytes just to drop its header).
+Payload = bytes | memoryview
+
 
 def layout_id(*parts: object) -> int:
     """A 64-bit id for a KV layout, from whatever determines it (model, dtype, block size,
@@ -27,23 +31,24 @@ def layout_id(*parts: object) -> int:
     return xxhash.xxh3_64_intdigest(repr(parts).encode())
 
 
-def _checksum(seq_hash: int, layout: int, payload: bytes | memoryview) -> int:
+def _checksum(seq_hash: int, layout: int, payload: Payload) -> int:
     return xxhash.xxh3_64_intdigest(payload, seed=seq_hash ^ layout)
 
 
-def encode(seq_hash: int, layout: int, payload: bytes | memoryview) -> bytes:
+def encode(seq_hash: int, layout: int, payload: Payload) -> bytes:
     checksum = _checksum(seq_hash, layout, payload)
     return HEADER.pack(MAGIC, seq_hash, layout, checksum, len(payload)) + payload
 
 
-def decode(record: bytes | memoryview, seq_hash: int, layout: int) -> bytes | None:
-    """The payload of `record` if it is the block `seq_hash` of `layout`, intact; else None."""
+def decode(record: Payload, seq_hash: int, layout: int) -> memoryview | None:
+    """The payload of `record` if it is the block `seq_hash` of `layout`, intact; else None.
+    A view into `record`, not a copy: copy it if `record`'s buffer is about to be reused."""
     if len(record) < HEADER_BYTES:
         return None
     magic, stored_hash, stored_layout, checksum, length = HEADER.unpack_from(record)
     if magic != MAGIC or stored_hash != seq_hash or stored_layout != layout:
         return None
-    payload = record[HEADER_BYTES : HEADER_BYTES + length]
+    payload = memoryview(record)[HEADER_BYTES : HEADER_BYTES + length]
     if len(payload) != length or _checksum(seq_hash, layout, payload) != checksum:
         return None
-    return bytes(payload)
+    return payload

@@ -61,6 +61,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from kvbm import records
+from kvbm.records import Payload
 from orchestrator.runtime.protocol import Tier
 from orchestrator.runtime.throttled_log import ThrottledWarning
 
@@ -122,21 +123,21 @@ class RedisStore:
     def __contains__(self, seq_hash: int) -> bool:
         return self._call(lambda c: bool(c.exists(self.key(seq_hash))), False)
 
-    def get(self, seq_hash: int) -> bytes | None:
+    def get(self, seq_hash: int) -> Payload | None:
         return self.get_many([seq_hash])[0]
 
-    def get_many(self, hashes: Iterable[int]) -> list[bytes | None]:
+    def get_many(self, hashes: Iterable[int]) -> list[Payload | None]:
         """The blocks' payloads in one round trip, None for each miss; a damaged record is
         deleted, for every worker."""
         hashes = list(hashes)
         keys = [self.key(h) for h in hashes]
 
-        def fetch(client: redis.Redis) -> list[bytes | None]:
+        def fetch(client: redis.Redis) -> list[Payload | None]:
             pipe = client.pipeline(transaction=False)
             for key in keys:
                 pipe.get(key)
-            values: list[bytes | None] = pipe.execute()
-            payloads = [
+            values: list[Payload | None] = pipe.execute()
+            payloads: list[Payload | None] = [
                 None if value is None else records.decode(value, h, self.layout)
                 for h, value in zip(hashes, values, strict=True)
             ]
@@ -152,12 +153,12 @@ class RedisStore:
 
         return self._call(fetch, [None] * len(keys))
 
-    def put(self, seq_hash: int, payload: bytes) -> list[int]:
+    def put(self, seq_hash: int, payload: Payload) -> list[int]:
         """Store (or refresh) a block; never evicts from the worker's side, so returns []."""
         self.put_many([(seq_hash, payload)])
         return []
 
-    def put_many(self, items: Iterable[tuple[int, bytes]]) -> None:
+    def put_many(self, items: Iterable[tuple[int, Payload]]) -> None:
         """Store blocks in one round trip."""
         encoded: list[tuple[str, bytes]] = []
         for seq_hash, payload in items:

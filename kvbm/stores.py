@@ -17,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol
 
+from kvbm.records import Payload
 from orchestrator.runtime.protocol import Tier
 
 
@@ -29,11 +30,11 @@ class KvStore(Protocol):
 
     def __contains__(self, seq_hash: int) -> bool: ...
 
-    def get(self, seq_hash: int) -> bytes | None:
+    def get(self, seq_hash: int) -> Payload | None:
         """The block's payload, and it becomes the most recently used; None on a miss."""
         ...
 
-    def put(self, seq_hash: int, payload: bytes) -> list[int]:
+    def put(self, seq_hash: int, payload: Payload) -> list[int]:
         """Store a block (a no-op if present, bar recency); returns the hashes evicted for it."""
         ...
 
@@ -49,9 +50,9 @@ class RemoteStore(KvStore, Protocol):
 
     available: bool  # False while it is unreachable: every call is then a miss or a no-op
 
-    def get_many(self, hashes: list[int]) -> list[bytes | None]: ...
+    def get_many(self, hashes: list[int]) -> list[Payload | None]: ...
 
-    def put_many(self, items: list[tuple[int, bytes]]) -> None: ...
+    def put_many(self, items: list[tuple[int, Payload]]) -> None: ...
 
     def watch(self, stored: Callable[[list[int]], None], removed: Callable[[list[int]], None]) -> None:
         """Report, from a thread of the store's own, the blocks it holds that no call of this
@@ -81,7 +82,7 @@ class HostStore:
     def __contains__(self, seq_hash: int) -> bool:
         return seq_hash in self._slots
 
-    def get(self, seq_hash: int) -> bytes | None:
+    def get(self, seq_hash: int) -> Payload | None:
         slot = self._slots.get(seq_hash)
         if slot is None:
             return None
@@ -89,7 +90,7 @@ class HostStore:
         start = slot * self.block_bytes
         return bytes(self._view[start : start + self.block_bytes])
 
-    def put(self, seq_hash: int, payload: bytes) -> list[int]:
+    def put(self, seq_hash: int, payload: Payload) -> list[int]:
         if seq_hash in self._slots:
             self._slots.move_to_end(seq_hash)
             return []
@@ -106,17 +107,17 @@ class HostStore:
         self._slots[seq_hash] = slot
         return evicted
 
-    def get_many(self, hashes: list[int]) -> list[bytes | None]:
+    def get_many(self, hashes: list[int]) -> list[Payload | None]:
         return [self.get(h) for h in hashes]
 
-    def put_many(self, items: list[tuple[int, bytes]]) -> None:
+    def put_many(self, items: list[tuple[int, Payload]]) -> None:
         for seq_hash, payload in items:
             self.put(seq_hash, payload)
 
     def watch(self, stored: Callable[[list[int]], None], removed: Callable[[list[int]], None]) -> None:
         """Nothing to report (RemoteStore): memory drops a block only when a `put` evicts it."""
 
-    def pop_oldest(self) -> tuple[int, bytes] | None:
+    def pop_oldest(self) -> tuple[int, Payload] | None:
         """Evict the least recently used block and hand back its bytes (to demote them)."""
         if not self._slots:
             return None

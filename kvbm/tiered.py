@@ -43,12 +43,13 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 
 from kvbm import metrics
+from kvbm.records import Payload
 from kvbm.stores import HostStore, KvStore, RemoteStore
 from kvbm.transfer import TransferEngine
 from orchestrator.runtime.protocol import BlockRemoved, BlockStored, KvEvent, Tier
 
 # One fetched block: (seq_hash, the tier it came from, its payload).
-Fetched = tuple[int, Tier, bytes]
+Fetched = tuple[int, Tier, Payload]
 
 # Blocks one read job takes from the slow tiers; a longer prefix continues in a later job, so
 # a sequence holds at most this many payloads it has not yet been admitted with.
@@ -63,7 +64,7 @@ class Fetch:
     __slots__ = ("done", "found", "running")
 
     def __init__(self) -> None:
-        self.found: dict[int, tuple[Tier, bytes]] = {}
+        self.found: dict[int, tuple[Tier, Payload]] = {}
         self.running = False
         self.done = False
 
@@ -100,10 +101,10 @@ class TieredStore:
 
     # ------------------------------------------------------------------ device -> tiers
 
-    def offload(self, blocks: Iterable[tuple[int, bytes]]) -> None:
+    def offload(self, blocks: Iterable[tuple[int, Payload]]) -> None:
         """Blocks the device just computed, (seq_hash, payload): write-through to G2 (and G4)."""
         started = time.perf_counter()
-        fresh: list[tuple[int, bytes]] = []
+        fresh: list[tuple[int, Payload]] = []
         for seq_hash, payload in blocks:
             if seq_hash in self.host:
                 continue
@@ -128,7 +129,7 @@ class TieredStore:
             if self.disk is not None and reused and seq_hash not in self.disk:
                 self._slow(partial(self._write_disk, seq_hash, payload))
 
-    def _write_disk(self, seq_hash: int, payload: bytes) -> None:
+    def _write_disk(self, seq_hash: int, payload: Payload) -> None:
         disk = self.disk
         assert disk is not None
         with self._disk_writes:
@@ -140,7 +141,7 @@ class TieredStore:
             if seq_hash in disk:  # a full disk stores nothing: no event for it
                 self._stored("disk", [seq_hash])
 
-    def _write_remote(self, blocks: list[tuple[int, bytes]]) -> None:
+    def _write_remote(self, blocks: list[tuple[int, Payload]]) -> None:
         remote = self.remote
         assert remote is not None
         started = time.perf_counter()
@@ -180,7 +181,7 @@ class TieredStore:
             found.append((seq_hash, *got))
         return found, False
 
-    def _from_host(self, seq_hash: int) -> tuple[Tier, bytes] | None:
+    def _from_host(self, seq_hash: int) -> tuple[Tier, Payload] | None:
         metrics.LOOKUPS.labels(self.worker, "host").inc()
         payload = self.host.get(seq_hash)
         if payload is None:
@@ -211,7 +212,7 @@ class TieredStore:
             fetch.done = ran_out
             fetch.running = False
 
-    def _read(self, store: KvStore, seq_hash: int) -> bytes | None:
+    def _read(self, store: KvStore, seq_hash: int) -> Payload | None:
         metrics.LOOKUPS.labels(self.worker, store.tier).inc()
         started = time.perf_counter()
         payload = store.get(seq_hash)

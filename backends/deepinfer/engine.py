@@ -30,6 +30,7 @@ from backends.deepinfer.outputs import SampledToken, SchedulerOutput, SeqOutput
 from backends.deepinfer.sampler import Sampler, validate_request
 from backends.deepinfer.scheduler import Scheduler
 from backends.deepinfer.sequence import Sequence
+from kvbm.records import Payload
 from orchestrator.runtime.model_files import eos_token_ids
 from orchestrator.runtime.protocol import KvTransfer, WorkerRequest
 
@@ -94,7 +95,10 @@ class Engine:
         return None if request.guided is None else self.guided.compile(request.guided)
 
     def add(
-        self, request: WorkerRequest, grammar: Grammar | None = None, arrived: dict[int, bytes] | None = None
+        self,
+        request: WorkerRequest,
+        grammar: Grammar | None = None,
+        arrived: dict[int, Payload] | None = None,
     ) -> Sequence:
         """Queue a request; ValueError with a client-facing message if it is invalid.
         `arrived`: the prompt blocks a prefill worker sent (`check_arrived`)."""
@@ -155,7 +159,7 @@ class Engine:
         with self.lock:
             self.scheduler.release(transfer_id)
 
-    def check_arrived(self, transfer: KvTransfer, arrived_kv: Seq[bytes]) -> dict[int, bytes]:
+    def check_arrived(self, transfer: KvTransfer, arrived_kv: Seq[bytes]) -> dict[int, Payload]:
         """The prompt blocks of `arrived_kv` this engine can load (`transfers.arrived_blocks`)."""
         return transfers.arrived_blocks(transfer, arrived_kv, self.layout, self.runner.kv_cache.block_bytes)
 

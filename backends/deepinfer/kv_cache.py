@@ -27,6 +27,7 @@ import torch
 from backends.deepinfer.kv_arrival import KVArrival
 from backends.deepinfer.layers.attention import Attention
 from backends.deepinfer.layers.mla import MLAttention
+from kvbm.records import Payload
 
 # (dtype name, block_size, each tensor's per-block shape in order): blocks saved under one layout
 # can be loaded only into a cache of the same layout.
@@ -120,11 +121,11 @@ class PagedKVCache:
         host = torch.cat(rows, dim=1).cpu().numpy()  # [n, block_bytes], the one device -> host copy
         return [host[i].tobytes() for i in range(n)]
 
-    def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
+    def write_blocks(self, block_ids: list[int], payloads: Sequence[Payload]) -> None:
         """Overwrite each block in `block_ids` with its payload (as `read_blocks` returned it)."""
         self.start_write(block_ids, payloads).wait_all()
 
-    def start_write(self, block_ids: list[int], payloads: list[bytes]) -> KVArrival:
+    def start_write(self, block_ids: list[int], payloads: Sequence[Payload]) -> KVArrival:
         """Start writing `payloads` into `block_ids` on the loader thread, layer by layer; the
         returned `KVArrival` tells when each layer's part is in. The caller must not read or
         reuse those blocks before it says so.
@@ -153,7 +154,7 @@ class PagedKVCache:
         return arrival
 
     @torch.no_grad()
-    def _write_layers(self, index: torch.Tensor, payloads: list[bytes], arrival: KVArrival) -> None:
+    def _write_layers(self, index: torch.Tensor, payloads: Sequence[Payload], arrival: KVArrival) -> None:
         try:
             n = len(payloads)
             blocks = [np.frombuffer(payload, dtype=np.uint8) for payload in payloads]  # no copies

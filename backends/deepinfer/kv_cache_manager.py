@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from backends.deepinfer.block_pool import Block, BlockPool
 from backends.deepinfer.outputs import BlockLoad, LoadSource
 from backends.deepinfer.sequence import Sequence
+from kvbm.records import Payload
 from kvbm.tiered import Fetch, Fetched, TieredStore
 from orchestrator.runtime.hashing import block_hashes
 from orchestrator.runtime.protocol import (
@@ -45,7 +46,7 @@ class Prefix:
     `waiting`: a slow tier is still reading more of it; admit the sequence later."""
 
     blocks: list[Block] = field(default_factory=list)
-    arrived: list[tuple[int, bytes]] = field(default_factory=list)  # (seq_hash, payload) from a prefill
+    arrived: list[tuple[int, Payload]] = field(default_factory=list)  # (seq_hash, payload) from a prefill
     loads: list[Fetched] = field(default_factory=list)
     waiting: bool = False
 
@@ -159,7 +160,7 @@ class KVCacheManager:
         if not prefix.num_to_load:
             return
         parent = seq.block_hashes[len(prefix.blocks) - 1] if prefix.blocks else None
-        loads: list[tuple[int, LoadSource, bytes]] = [(h, "transfer", p) for h, p in prefix.arrived]
+        loads: list[tuple[int, LoadSource, Payload]] = [(h, "transfer", p) for h, p in prefix.arrived]
         loads += prefix.loads
         for seq_hash, source, payload in loads:
             block = self._take_free()

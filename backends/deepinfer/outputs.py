@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from backends.deepinfer.sequence import Sequence
+from kvbm.records import Payload
 from orchestrator.runtime.protocol import Tier
 
 # Where a loaded block comes from: a lower KV tier, or a prefill worker (disaggregation).
@@ -18,7 +19,7 @@ class BlockLoad(NamedTuple):
 
     block_id: int
     source: LoadSource
-    payload: bytes  # empty in the mocker, which moves no bytes
+    payload: Payload  # empty in the mocker, which moves no bytes
 
 
 @dataclass(slots=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
+from kvbm.records import Payload
 from kvbm.tiered import Fetch
 from orchestrator.runtime.protocol import WorkerRequest
 
@@ -56,7 +57,7 @@ class Sequence:
         self.fetch = Fetch()
         # Disaggregation: the prompt blocks a prefill worker computed, by sequence hash, checked
         # against this engine's layout; taken as prefix hits when the sequence is admitted.
-        self.arrived: dict[int, bytes] = {}
+        self.arrived: dict[int, Payload] = {}
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvbm import records
+from kvbm.records import Payload
 from orchestrator.runtime.protocol import KvTransfer
 
 
@@ -29,7 +30,7 @@ def describe(
     )
 
 
-def to_records(held: list[tuple[int, int]], payloads: Sequence[bytes], layout: int) -> list[bytes]:
+def to_records(held: list[tuple[int, int]], payloads: Sequence[Payload], layout: int) -> list[bytes]:
     return [
         records.encode(seq_hash, layout, payload)
         for (_, seq_hash), payload in zip(held, payloads, strict=True)
@@ -38,10 +39,10 @@ def to_records(held: list[tuple[int, int]], payloads: Sequence[bytes], layout: i
 
 def arrived_blocks(
     transfer: KvTransfer, arrived_kv: Sequence[bytes], layout: int, block_bytes: int
-) -> dict[int, bytes]:
+) -> dict[int, Payload]:
     """seq_hash -> payload of the leading records a decode engine can load. Hashes and copies
     every payload: call it off the event loop for real KV."""
-    arrived: dict[int, bytes] = {}
+    arrived: dict[int, Payload] = {}
     for seq_hash, record in zip(transfer.block_hashes, arrived_kv, strict=False):
         payload = records.decode(record, seq_hash, layout)
         if payload is None or len(payload) != block_bytes:

@@ -26,6 +26,7 @@ from backends.deepinfer.scheduler import Scheduler
 from backends.deepinfer.sequence import Sequence
 from backends.mocker.config import MockerConfig
 from kvbm import records
+from kvbm.records import Payload
 from kvbm.stores import HostStore, RemoteStore
 from kvbm.tiered import TieredStore
 from orchestrator.runtime.protocol import (
@@ -97,7 +98,7 @@ class MockerCore:
 
     # ------------------------------------------------------------------ requests
 
-    def add(self, request: WorkerRequest, arrived: dict[int, bytes] | None = None) -> Sequence:
+    def add(self, request: WorkerRequest, arrived: dict[int, Payload] | None = None) -> Sequence:
         """Queue a request and return its sequence; ValueError with a client-facing message if
         it can never run. `arrived`: the prompt blocks a prefill worker sent (`check_arrived`)."""
         seq = self.scheduler.add(request)
@@ -148,7 +149,7 @@ class MockerCore:
     def release_transfer(self, transfer_id: str) -> None:
         self.scheduler.release(transfer_id)
 
-    def check_arrived(self, transfer: KvTransfer, arrived_kv: Seq[bytes]) -> dict[int, bytes]:
+    def check_arrived(self, transfer: KvTransfer, arrived_kv: Seq[bytes]) -> dict[int, Payload]:
         return transfers.arrived_blocks(transfer, arrived_kv, self.layout, 0)
 
     def transfer_ms(self, num_blocks: int) -> float:

@@ -220,9 +220,8 @@ class DiskStore:
             return []
         slot, old = claimed
         evicted = [] if old is None else [old]
-        record = records.encode(seq_hash, self.layout, payload)
         with self._buffer() as view:
-            view[: len(record)] = record
+            records.encode_into(view, seq_hash, self.layout, payload)
             written = self._write(slot, view)
         if written:
             with self._lock:

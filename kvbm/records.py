@@ -40,6 +40,16 @@ def encode(seq_hash: int, layout: int, payload: Payload) -> bytes:
     return HEADER.pack(MAGIC, seq_hash, layout, checksum, len(payload)) + payload
 
 
+def encode_into(buffer: memoryview, seq_hash: int, layout: int, payload: Payload) -> int:
+    """`encode` written into `buffer` (a store's reused I/O buffer): no intermediate record.
+    Returns the record's length."""
+    checksum = _checksum(seq_hash, layout, payload)
+    HEADER.pack_into(buffer, 0, MAGIC, seq_hash, layout, checksum, len(payload))
+    end = HEADER_BYTES + len(payload)
+    buffer[HEADER_BYTES:end] = payload
+    return end
+
+
 def decode(record: Payload, seq_hash: int, layout: int) -> memoryview | None:
     """The payload of `record` if it is the block `seq_hash` of `layout`, intact; else None.
     A view into `record`, not a copy: copy it if `record`'s buffer is about to be reused."""

@@ -8,6 +8,13 @@ known but gets no requests. Each model's `ModelRoutes` holds its `Router`, the
 `RouterSubscriber` feeding it (when there is an event plane), a `RemoteRouter` when a
 standalone router decides, and one client per worker, through which snapshots are fetched.
 
+Roles: aggregated and decode workers take whole requests and share one pool (a decode worker
+is a full engine, which is what a failed prefill falls back to); decode workers alone take
+the second half of a disaggregated request (`decode_exclude`). Prefill workers form a pool of
+their own, `ModelRoutes.prefill`, with its own router and subscriber, when the owner builds
+one (`routes_prefill`, `_new_prefill_pool`; the standalone router does not, so it leaves
+them out: a frontend places its prefills itself). A model lives while either pool has a worker.
+
 Each model's `ModelRoutes` also keeps a circuit breaker per worker: a worker whose connection
 was refused or lost (`trip`) is left out of every decision at once, not only the failed
 request's, for a back-off of 1 s doubling to 10 s on each failed probe; the first request
@@ -30,13 +37,14 @@ from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.events import EventPlane
 from orchestrator.runtime.protocol import Instance, KvSnapshot, ModelCard
 from orchestrator.runtime.request_plane import RequestPlaneClient, WorkerClient
+from router.disagg import Candidate, best_candidate
 from router.protocols import Decision, NoWorkerAvailable, RouteRequest
 from router.remote import RemoteRouter
 from router.router import Router
 from router.subscriber import RouterSubscriber
 
-# Roles that take whole requests; prefill/decode pools need the disaggregated path.
-ROUTABLE_ROLES = ("aggregated",)
+ROUTABLE_ROLES = ("aggregated", "prefill", "decode")
+WHOLE_REQUEST_ROLES = ("aggregated", "decode")
 BREAKER_BACKOFF_S = 1.0  # a tripped worker's first back-off, doubled after each failed probe
 BREAKER_MAX_BACKOFF_S = 10.0
 
@@ -63,6 +71,8 @@ class ModelRoutes:
     workers: dict[str, WorkerClient] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic
     trips: dict[str, _Trip] = field(default_factory=dict)  # workers whose breaker is open
+    decode_workers: set[str] = field(default_factory=set)  # those of `workers` with the decode role
+    prefill: ModelRoutes | None = None  # the prefill pool, while it has workers
 
     async def subscribe(self, events: EventPlane, namespace: str) -> None:
         """Feed the router from the event plane. Called before the first worker is added, so it
@@ -98,6 +108,30 @@ class ModelRoutes:
             return await self.remote.select(request, exclude)
         return self.router.select(request, exclude)
 
+    def candidate(self, request: RouteRequest) -> Candidate | None:
+        """This pool's best worker for `request` by predicted prefill work (`router.disagg`),
+        deciding nothing: no load is counted, no index learns. Draining workers and those whose
+        breaker is open are left out."""
+        router = self.router
+        hits = router.index.find_matches(request.block_hashes).blocks if router.index is not None else {}
+        return best_candidate(
+            request.num_tokens, router.block_size, hits, router.workers, self._unavailable()
+        )
+
+    def decode_ready(self) -> bool:
+        """Some decode worker can take a handover now."""
+        skip = self._unavailable()
+        return any(w not in skip for w in self.decode_workers)
+
+    def decode_exclude(self) -> list[str]:
+        """The workers a disaggregated request's decode must not go to: every non-decode one."""
+        return [w for w in self.workers if w not in self.decode_workers]
+
+    def _unavailable(self) -> set[str]:
+        now = self.clock()
+        tripped = {w for w, trip in self.trips.items() if now < trip.retry_at}
+        return tripped | self.router.loads.draining if tripped else self.router.loads.draining
+
     def trip(self, worker_id: str) -> bool:
         """`worker_id`'s connection was refused or lost: leave it out of decisions for its
         back-off. True when this opened the breaker (not when it was open already, as when
@@ -121,11 +155,14 @@ class ModelRoutes:
 
     def add_worker(self, instance: Instance, total_blocks: int, client: WorkerClient) -> None:
         self.workers[instance.instance_id] = client
+        if instance.card is not None and instance.card.role == "decode":
+            self.decode_workers.add(instance.instance_id)
         self.router.add_worker(instance.instance_id, total_blocks)
         self.router.set_draining(instance.instance_id, instance.draining)
 
     def remove_worker(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
+        self.decode_workers.discard(worker_id)
         self.trips.pop(worker_id, None)
         self.router.remove_worker(worker_id)
 
@@ -136,6 +173,8 @@ class ModelRoutes:
         return await client.kv_snapshot()
 
     async def close(self) -> None:
+        if self.prefill is not None:
+            await self.prefill.close()
         if self.remote is not None:
             self.remote.close()
         if self.plane is not None:
@@ -149,7 +188,10 @@ M = TypeVar("M")
 
 class RoutingTable(Generic[M]):
     """Routable workers by model, following discovery. `M` is the owner's per-model value;
-    `_routes` finds its `ModelRoutes`."""
+    `_routes` finds its `ModelRoutes`. Prefill workers are routed only by an owner that
+    builds their pool (`routes_prefill`); the standalone router leaves them out."""
+
+    routes_prefill = False
 
     def __init__(self, client_factory: Callable[[Instance], WorkerClient], log: logging.Logger) -> None:
         self.client_factory = client_factory
@@ -170,11 +212,23 @@ class RoutingTable(Generic[M]):
     def _routes(self, model: M) -> ModelRoutes:
         raise NotImplementedError
 
+    async def _new_prefill_pool(self, model: M, card: ModelCard) -> ModelRoutes:
+        """The routing of the model's prefill workers, built when its first one appears (only
+        called when `routes_prefill`)."""
+        raise NotImplementedError
+
     async def _joined(self, model: M, card: ModelCard, client: WorkerClient) -> None:
         """Another worker of a known model appears (before it is routable)."""
 
     def _workers_changed(self, name: str) -> None:
         """Model `name` gained or lost a worker, or is gone (no longer in `models`)."""
+
+    def _routable(self, card: ModelCard) -> bool:
+        return card.role in WHOLE_REQUEST_ROLES or (card.role == "prefill" and self.routes_prefill)
+
+    def _pool(self, model: M, role: str) -> ModelRoutes | None:
+        routes = self._routes(model)
+        return routes.prefill if role == "prefill" else routes
 
     # ------------------------------------------------------------------ discovery
 
@@ -189,15 +243,16 @@ class RoutingTable(Generic[M]):
     async def apply(self, event: DiscoveryEvent) -> None:
         instance = event.instance
         card = instance.card
-        if event.kind == "delete" or card is None or card.role not in ROUTABLE_ROLES:
+        if event.kind == "delete" or card is None or not self._routable(card):
             await self.remove_worker(instance.instance_id)
             return
         known = self.instances.get(instance.instance_id)
         if known is not None and known.card == card and known.address == instance.address:
             self.instances[instance.instance_id] = instance
-            routes = self._routes(self.models[card.name])
-            routes.router.set_draining(instance.instance_id, instance.draining)
-            routes.restore(instance.instance_id)  # it registered again: worth a try at once
+            pool = self._pool(self.models[card.name], card.role)
+            assert pool is not None  # it holds this known worker
+            pool.router.set_draining(instance.instance_id, instance.draining)
+            pool.restore(instance.instance_id)  # it registered again: worth a try at once
             return
         if known is not None:  # restarted elsewhere, or now serving something else
             await self.remove_worker(instance.instance_id)
@@ -211,11 +266,18 @@ class RoutingTable(Generic[M]):
             model = self.models[card.name] = await self._new_model(card, client)
         else:
             await self._joined(model, card, client)
-        self._routes(model).add_worker(instance, card.total_kv_blocks, client)
+        pool = self._pool(model, card.role)
+        if pool is None:
+            pool = self._routes(model).prefill = await self._new_prefill_pool(model, card)
+        pool.add_worker(instance, card.total_kv_blocks, client)
         self.instances[instance.instance_id] = instance
         self._workers_changed(card.name)
         self._log.info(
-            "worker %s serves %s at %s", instance.instance_id, card.name, instance.address or "in-process"
+            "%s worker %s serves %s at %s",
+            card.role,
+            instance.instance_id,
+            card.name,
+            instance.address or "in-process",
         )
 
     async def remove_worker(self, instance_id: str) -> None:
@@ -224,12 +286,20 @@ class RoutingTable(Generic[M]):
             return
         name = instance.card.name
         routes = self._routes(self.models[name])
-        routes.remove_worker(instance_id)
-        if not routes.workers:
+        prefill = routes.prefill
+        if instance.card.role == "prefill" and prefill is not None:
+            prefill.remove_worker(instance_id)
+            if not prefill.workers:
+                routes.prefill = None
+                await prefill.close()
+        else:
+            routes.remove_worker(instance_id)
+        gone = not routes.workers and routes.prefill is None
+        if gone:
             del self.models[name]
         self._workers_changed(name)
         self._log.info("worker %s of %s is gone", instance_id, name)
-        if not routes.workers:
+        if gone:
             await routes.close()
             self._log.info("model %s has no workers left", name)
 

@@ -4,6 +4,11 @@ The worker serves its engine on the TCP request plane, registers its model card 
 a lease (so it vanishes from every frontend within --lease-ttl seconds if it dies), and
 publishes KV events and load reports on NATS. SIGTERM or SIGINT drains it: it stops taking
 requests, finishes the ones in flight (up to --drain-timeout), then leaves discovery.
+
+`--role prefill` or `--role decode` registers the engine under that role (`WithRole`):
+backends build aggregated cards, and the role is a deployment choice, not an engine
+property. Frontends route a prefill worker's prefills and a decode worker's decodes (and
+whole requests: it is a full engine) (docs/router.md, "Disaggregation").
 """
 
 from __future__ import annotations
@@ -11,6 +16,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from collections.abc import Sequence
+from typing import get_args
+
+import msgspec
 
 from backends.registry import add_backend_arguments, make_engine, resolve_model, served_name
 from orchestrator.cli.options import (
@@ -21,18 +30,65 @@ from orchestrator.cli.options import (
     setup_logging,
 )
 from orchestrator.runtime.discovery import make_discovery
-from orchestrator.runtime.engine import Engine
+from orchestrator.runtime.engine import DeltaStream, Engine
 from orchestrator.runtime.events import make_event_plane
+from orchestrator.runtime.protocol import KvEventBatch, KvSnapshot, LoadReport, ModelCard, Role, WorkerRequest
 from orchestrator.runtime.worker_host import WorkerHost, serve_workers
-from router.table import ROUTABLE_ROLES
+
+ROLES: tuple[Role, ...] = get_args(Role)
+
+
+class WithRole:
+    """`engine` registered under `role`: everything else is the engine's own."""
+
+    def __init__(self, engine: Engine, role: Role) -> None:
+        self.engine = engine
+        self.role = role
+        self._card: ModelCard | None = None  # the host reads it on every request: made once
+
+    @property
+    def card(self) -> ModelCard:
+        if self._card is None:
+            self._card = msgspec.structs.replace(self.engine.card, role=self.role)
+        return self._card
+
+    async def start(self) -> None:
+        await self.engine.start()
+        self._card = None  # an engine may complete its card as it loads (KV blocks, tiers)
+
+    async def stop(self) -> None:
+        await self.engine.stop()
+
+    def generate(self, request: WorkerRequest, arrived_kv: Sequence[bytes] = ()) -> DeltaStream:
+        return self.engine.generate(request, arrived_kv)
+
+    def read_transfer(self, transfer_id: str) -> list[bytes] | None:
+        return self.engine.read_transfer(transfer_id)
+
+    def release_transfer(self, transfer_id: str) -> None:
+        self.engine.release_transfer(transfer_id)
+
+    def load(self) -> LoadReport:
+        return self.engine.load()
+
+    def take_kv_events(self) -> list[KvEventBatch]:
+        return self.engine.take_kv_events()
+
+    def kv_snapshot(self) -> KvSnapshot:
+        return self.engine.kv_snapshot()
+
+
+def with_role(engine: Engine, role: Role) -> Engine:
+    return engine if role == "aggregated" else WithRole(engine, role)
 
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--role",
+        choices=ROLES,
         default="aggregated",
-        help=f"the worker's role; routers serve only {' | '.join(ROUTABLE_ROLES)} workers, prefill "
-        "and decode are not routed yet (default aggregated)",
+        help="aggregated: whole requests; prefill: the prompts of disaggregated requests; decode: "
+        "their continuation after a prefill worker's first token, and whole requests (default aggregated)",
     )
     add_backend_arguments(parser)
     add_service_arguments(parser, "worker", "WEIR_WORKER", 0)
@@ -50,17 +106,9 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
-    if args.role not in ROUTABLE_ROLES:
-        # A worker no router sends requests to would sit in discovery looking healthy.
-        print(
-            f"weir worker: --role {args.role} is not served: routers route only "
-            f"{' | '.join(ROUTABLE_ROLES)} workers; prefill/decode are not routed yet",
-            file=sys.stderr,
-        )
-        return 2
     try:
         model_dir = resolve_model(args.model)
-        engine = make_engine(args, model_dir)
+        engine = with_role(make_engine(args, model_dir), args.role)
     except (ValueError, OSError) as exc:
         print(f"weir worker: {exc}", file=sys.stderr)
         return 2

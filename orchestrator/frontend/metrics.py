@@ -14,6 +14,9 @@ _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,
 _ENDPOINTS = ("chat", "completions")
 # Why admission control turned a request away: its model's queue was full, or it waited too long.
 REJECT_REASONS = ("queue_full", "queue_timeout")
+# How a request of a model with prefill workers was served (dispatch.py): its prefill on a
+# prefill worker, whole by the policy's choice, or whole after its prefill failed.
+DISAGG_OUTCOMES = ("disaggregated", "aggregated", "fallback")
 
 
 class ModelMetrics:
@@ -32,10 +35,18 @@ class ModelMetrics:
         self.queued = metrics.queued.labels(model)
         self.queue_wait = metrics.queue_wait.labels(model)
         self.rejected = {reason: metrics.rejected.labels(model, reason) for reason in REJECT_REASONS}
+        self.disagg_outcomes = {o: metrics.disagg_decisions.labels(model, o) for o in DISAGG_OUTCOMES}
+        self.handover = metrics.handover.labels(model)
+        self._fallbacks = metrics.disagg_fallbacks
 
     def migrated(self, reason: str) -> None:
         # Rare (a worker failed), so the label lookup happens here, not at bind time.
         self._migrations.labels(self._model, reason).inc()
+
+    def fell_back(self, reason: str) -> None:
+        """A prefill failed before its first token (`reason`: its error code, or no_worker)."""
+        self.disagg_outcomes["fallback"].inc()
+        self._fallbacks.labels(self._model, reason).inc()
 
     def finished(self, ttft: float | None, e2e: float, prompt: int, completion: int, cached: int) -> None:
         if ttft is not None:
@@ -114,6 +125,27 @@ class Metrics:
             "weir_frontend_rejected_requests",
             "Requests admission control turned away with 429",
             ["model", "reason"],
+            registry=r,
+        )
+        self.disagg_decisions = Counter(
+            "weir_frontend_disagg_decisions",
+            "Requests of models with prefill workers, by how they were served: disaggregated "
+            "(over all three: the remote-prefill share), aggregated, or fallback",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.disagg_fallbacks = Counter(
+            "weir_frontend_disagg_fallbacks",
+            "Disaggregated requests served whole because their prefill failed before its first "
+            "token, by the error's code (no_worker: no prefill worker could take it)",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.handover = Histogram(
+            "weir_frontend_disagg_handover_seconds",
+            "From a prefill worker's first token to the decode worker's first token (the KV pull included)",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.workers = Gauge("weir_frontend_workers", "Known workers", registry=r)

@@ -25,6 +25,7 @@ from orchestrator.frontend.tokenizer_files import cache_root, tokenizer_dir
 from orchestrator.runtime.events import EventPlane
 from orchestrator.runtime.protocol import Instance, ModelCard
 from orchestrator.runtime.request_plane import WorkerClient
+from router.disagg import DisaggPolicy
 from router.table import ModelRoutes, RoutingTable
 
 log = logging.getLogger("weir.frontend")
@@ -40,6 +41,7 @@ class ModelEntry:
     metrics: ModelMetrics
     admission: Admission  # its bounded queue in front of its workers
     preprocessor: Preprocessor | None
+    disagg: DisaggPolicy  # once it has prefill workers: whether a request's prefill goes there
     max_prompt_chars: int = 0  # longer prompt texts cannot fit the context (prompts.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -50,6 +52,8 @@ class ModelEntry:
 
 
 class ModelRegistry(RoutingTable[ModelEntry]):
+    routes_prefill = True
+
     def __init__(
         self,
         config: FrontendConfig,
@@ -62,6 +66,7 @@ class ModelRegistry(RoutingTable[ModelEntry]):
         self.events = events
         self.metrics = metrics
         self._tokenizer_cache = cache_root(config.tokenizer_cache_dir)
+        self._disagg = DisaggPolicy(config.disaggregation)
 
     def get(self, name: str) -> ModelEntry:
         entry = self.models.get(name)
@@ -76,10 +81,13 @@ class ModelRegistry(RoutingTable[ModelEntry]):
         routes = await build_router(self.config, card, self.events, self.metrics.router)
         metrics = self.metrics.for_model(card.name)
         admission = Admission(self.config, routes, metrics)
-        return ModelEntry(card.name, card, routes, metrics, admission, preprocessor, max_chars)
+        return ModelEntry(card.name, card, routes, metrics, admission, preprocessor, self._disagg, max_chars)
 
     def _routes(self, model: ModelEntry) -> ModelRoutes:
         return model.routes
+
+    async def _new_prefill_pool(self, model: ModelEntry, card: ModelCard) -> ModelRoutes:
+        return await build_router(self.config, card, self.events, self.metrics.router, prefill=True)
 
     async def _joined(self, model: ModelEntry, card: ModelCard, client: WorkerClient) -> None:
         if model.preprocessor is None:  # the first worker could not provide one: ask this one

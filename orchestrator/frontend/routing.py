@@ -8,7 +8,11 @@ worker's snapshot. Without an event plane, `kv` mode predicts caches from its ow
 In `remote` mode a standalone router (`weir router`) decides (`router.remote.RemoteRouter`);
 the local router, in `REMOTE_FALLBACK_MODE`, only keeps the worker set and places requests
 while the standalone one cannot be reached. The rest of the frontend only sees
-`ModelRoutes.select` / `on_finish` and the model's workers."""
+`ModelRoutes.select` / `on_finish` and the model's workers.
+
+A model's prefill workers get a `ModelRoutes` of their own (`prefill=True`), built the same
+way, except in `remote` mode: the standalone router routes whole requests only, so prefills
+are placed here, KV-aware, from the event plane's KV events."""
 
 from __future__ import annotations
 
@@ -23,11 +27,17 @@ from router.table import ModelRoutes
 
 
 async def build_router(
-    config: FrontendConfig, card: ModelCard, events: EventPlane | None, metrics: RouterMetrics
+    config: FrontendConfig,
+    card: ModelCard,
+    events: EventPlane | None,
+    metrics: RouterMetrics,
+    prefill: bool = False,
 ) -> ModelRoutes:
-    remote = config.router_mode == "remote"
-    mode = REMOTE_FALLBACK_MODE if remote else config.router_mode
-    params = {} if remote else dict(config.router_params)  # the standalone router has its own
+    remote = config.router_mode == "remote" and not prefill
+    if config.router_mode != "remote":
+        mode, params = config.router_mode, dict(config.router_params)
+    else:  # the standalone router has its own parameters
+        mode, params = ("kv" if prefill else REMOTE_FALLBACK_MODE), {}
     if events is None:
         params.setdefault("kv_events", False)
     router = make_router(mode, card.block_size, model=card.name, metrics=metrics, **params)

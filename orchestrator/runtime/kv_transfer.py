@@ -2,19 +2,21 @@
 
 A prefill-only request ends holding its prompt's KV; its last delta carries a `KvTransfer`
 (protocol.py). The decode worker calls the prefill's request-plane endpoint `kv_blocks` with
-a `KvBlocksCall`; the answer is a stream of `KvAnswer` frames, the records in order:
+a `KvBlocksCall`; the answer streams the records in order, through one of two transports:
 
-- `KvRecords`: records inline, batched so a frame stays near `KV_FRAME_BYTES` (well under the
-  caller's `MAX_ANSWER_BYTES`); the path between hosts.
-- `KvShared`: records written into a shared-memory segment on this host (a file in
-  `/dev/shm`, which is what POSIX `shm_open` makes on Linux), one frame per batch as it is
-  written, so the caller copies batch k out while the server writes batch k+1. The caller
-  claims the segment by unlinking it on first sight; the server unlinks one still there at
-  its expiry, so a caller that died leaks nothing. Plain files rather than
-  `multiprocessing.shared_memory`: its resource tracker would unlink (and warn about)
-  segments the other process still owns.
+- shared memory, when the caller is on this host: `KvShared` frames, each naming a batch of
+  records (about `KV_BATCH_BYTES`) written into a segment (a file in `/dev/shm`, which is what
+  POSIX `shm_open` makes on Linux) as soon as it is written, so the caller copies batch k out
+  while the server writes batch k+1. The caller claims the segment by unlinking it on first
+  sight; the server unlinks one still there at its expiry, so a caller that died leaks
+  nothing. Plain files rather than `multiprocessing.shared_memory`: its resource tracker
+  would unlink (and warn about) segments the other process still owns.
+- the request plane's TCP stream: a `KvInline` frame, then one frame per record, the
+  record's bytes as the frame's payload. No encoding around them, so the server writes each
+  record as is (connection.py: large payloads skip the write batch) and the caller's only
+  copy is the frame's decode; small records still share a write, batched by the plane.
 
-A server falls back to `KvRecords` mid-stream when the segment cannot be written (a full
+A server turns to `KvInline` mid-stream when the segment cannot be written (a full
 `/dev/shm`). Records are opaque here (kvbm records, checked by the engine); the caller only
 bounds their number and size. Each transfer is served once: the server releases the blocks
 after it, whatever the outcome, and a decode worker recomputes what did not arrive.
@@ -41,11 +43,13 @@ from orchestrator.runtime.request_plane.security import MAX_ANSWER_BYTES
 RECORD_HEADER_ALLOWANCE = 4096
 # The largest record either transport accepts: one record must fit one answer frame.
 MAX_RECORD_BYTES = MAX_ANSWER_BYTES - 1024
-# Batch size of an answer frame: big enough that per-frame costs vanish, small enough to keep
-# a few frames' backlog cheap.
-KV_FRAME_BYTES = 4 * 1024 * 1024
-# A pull's client may buffer this much of one stream before it is cancelled (client.py).
-KV_PULL_BACKLOG_BYTES = 16 * KV_FRAME_BYTES
+# Bytes per shared-memory batch: big enough that per-batch costs (a thread hop, a frame) are
+# small, small enough that the caller starts copying early (1 and 4 MiB measure alike).
+KV_BATCH_BYTES = 1024 * 1024
+# What a pull may have waiting before it is cancelled (client.py). A pull takes each record
+# frame at once and copies one shared-memory batch at a time (its frames are small), so this
+# only has to hold what one read of the socket brings: two of the largest records.
+KV_PULL_BACKLOG_BYTES = 2 * MAX_ANSWER_BYTES
 # Records per batch: under Linux's IOV_MAX (1024) for the segment's vectored writes.
 MAX_BATCH_RECORDS = 512
 SHM_DIR = Path("/dev/shm")
@@ -61,8 +65,8 @@ class KvBlocksCall(msgspec.Struct, array_like=True):
     host_id: str = ""
 
 
-class KvRecords(msgspec.Struct, tag=1, array_like=True):
-    records: list[bytes]
+class KvInline(msgspec.Struct, tag=1, array_like=True):
+    """Every later frame of this answer is one record, raw."""
 
 
 class KvShared(msgspec.Struct, tag=2, array_like=True):
@@ -73,7 +77,8 @@ class KvShared(msgspec.Struct, tag=2, array_like=True):
     sizes: list[int]
 
 
-KvAnswer = KvRecords | KvShared
+KvAnswer = KvInline | KvShared
+INLINE = msgspec.msgpack.encode(KvInline())
 
 encode = msgspec.msgpack.Encoder().encode
 decode_call = msgspec.msgpack.Decoder(KvBlocksCall).decode
@@ -156,7 +161,7 @@ def read_records(fd: int, offset: int, sizes: list[int]) -> list[bytes]:
     return records
 
 
-def batches(records: list[bytes], limit: int = KV_FRAME_BYTES) -> list[list[bytes]]:
+def batches(records: list[bytes], limit: int = KV_BATCH_BYTES) -> list[list[bytes]]:
     """`records` in consecutive groups of about `limit` bytes (a larger record goes alone) and
     at most MAX_BATCH_RECORDS records."""
     groups: list[list[bytes]] = []

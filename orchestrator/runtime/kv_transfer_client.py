@@ -19,11 +19,11 @@ import time
 from orchestrator.runtime import worker_metrics as metrics
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.kv_transfer import (
+    KV_PULL_BACKLOG_BYTES,
     MAX_RECORD_BYTES,
     RECORD_HEADER_ALLOWANCE,
-    KvAnswer,
     KvBlocksCall,
-    KvRecords,
+    KvInline,
     KvShared,
     decode_answer,
     encode,
@@ -55,16 +55,26 @@ class _Pull:
         self.records: list[bytes] = []
         self.size = 0
         self.transport = "tcp"
+        self._inline = False  # past the answer's KvInline: each frame is a record
         self._segment = ""
         self._fd: int | None = None
 
-    async def take(self, answer: KvAnswer) -> None:
-        if isinstance(answer, KvRecords):
-            count, refused = self._acceptable([len(r) for r in answer.records])
-            accepted = answer.records[:count]
+    async def take(self, payload: bytes) -> None:
+        """One frame of the answer."""
+        shared: KvShared | None = None
+        if self._inline:
+            sizes = [len(payload)]
         else:
-            count, refused = self._acceptable(answer.sizes)
-            accepted = await self._read(answer, count) if count else []
+            answer = decode_answer(payload)
+            if isinstance(answer, KvInline):
+                self._inline = True
+                return
+            shared, sizes = answer, answer.sizes
+        count, refused = self._acceptable(sizes)
+        if shared is None:
+            accepted = [payload] if count else []
+        else:
+            accepted = await self._read(shared, count) if count else []
         self.records += accepted
         self.size += sum(map(len, accepted))
         if refused:
@@ -108,12 +118,12 @@ async def pull_kv(
     local = bool(transfer.host_id) and transfer.host_id == host_id()
     call = KvBlocksCall(transfer.transfer_id, host_id() if local else "")
     pull = _Pull(wanted, max_record, worker_id)
-    stream = client.stream(transfer.address, KV_BLOCKS, encode(call))
+    stream = client.stream(transfer.address, KV_BLOCKS, encode(call), KV_PULL_BACKLOG_BYTES)
     start = time.monotonic()
     try:
         async with asyncio.timeout(timeout_s):
             async for payload in stream:
-                await pull.take(decode_answer(payload))
+                await pull.take(payload)
     except (EngineError, TimeoutError, OSError, ValueError) as exc:  # ValueError: decode errors too
         _warn(
             "worker %s: KV pull of %s from %s ended with %d of %d records: %r",

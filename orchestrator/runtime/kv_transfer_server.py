@@ -23,9 +23,9 @@ import msgspec
 from orchestrator.runtime import worker_metrics as metrics
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.kv_transfer import (
+    INLINE,
     MAX_RECORD_BYTES,
     SHM_DIR,
-    KvRecords,
     KvShared,
     batches,
     decode_call,
@@ -106,14 +106,16 @@ class KvTransferServer:
             usable = next((i for i, r in enumerate(records) if len(r) > MAX_RECORD_BYTES), len(records))
             done = 0
             if call.host_id and call.host_id == host_id():
-                transport = "shm"
                 async with contextlib.aclosing(self._shared(records[:usable])) as frames:
                     async for frame, count, size in frames:
+                        transport = "shm"
                         yield frame
                         done, sent = done + count, sent + size
-            for group in batches(records[done:usable]):
-                yield encode(KvRecords(group))
-                sent += sum(map(len, group))
+            if done < usable:
+                yield INLINE
+                for record in records[done:usable]:
+                    yield record
+                    sent += len(record)
             outcome = "ok" if usable == len(records) else "partial"
         finally:
             self.engine.release_transfer(call.transfer_id)

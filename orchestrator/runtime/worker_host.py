@@ -46,7 +46,7 @@ from orchestrator.runtime.engine import DeltaStream, Engine
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.events import EventPlane
 from orchestrator.runtime.hashing import block_hashes
-from orchestrator.runtime.kv_transfer import KV_PULL_BACKLOG_BYTES, host_id
+from orchestrator.runtime.kv_transfer import host_id
 from orchestrator.runtime.kv_transfer_client import pull_kv
 from orchestrator.runtime.kv_transfer_server import DEFAULT_HOLD_S, KvTransferServer
 from orchestrator.runtime.model_files import read_model_files
@@ -123,7 +123,7 @@ class WorkerHost:
             security,
         )
         # Pulls dial other workers as this cluster's member: the same secret and TLS.
-        self._kv_client = RequestPlaneClient(security=security, max_backlog_bytes=KV_PULL_BACKLOG_BYTES)
+        self._kv_client = RequestPlaneClient(security=security)
         self._idle = asyncio.Event()
         self._idle.set()
         self._drained: asyncio.Future[None] | None = None

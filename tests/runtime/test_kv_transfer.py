@@ -21,9 +21,9 @@ from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.events import EventPlane, make_event_plane
 from orchestrator.runtime.hashing import block_hashes
 from orchestrator.runtime.kv_transfer import (
+    INLINE,
     SHM_DIR,
     KvBlocksCall,
-    KvRecords,
     KvShared,
     decode_answer,
     host_id,
@@ -223,12 +223,14 @@ async def test_an_unclaimed_segment_is_removed_at_expiry(planes: tuple[Discovery
 
 KILLED_WORKER = """
 import asyncio, sys
-from orchestrator.runtime.kv_transfer import KvRecords, encode
+from orchestrator.runtime.kv_transfer import INLINE
 from orchestrator.runtime.request_plane import KV_BLOCKS, RequestPlaneServer
 from tests.runtime.fake_engine import fake_record
 
 async def kv_blocks(payload):
-    yield encode(KvRecords([fake_record(1, 4096), fake_record(2, 4096)]))
+    yield INLINE
+    yield fake_record(1, 4096)
+    yield fake_record(2, 4096)
     await asyncio.sleep(0)  # the frame is flushed on the next loop iteration
     await asyncio.sleep(0)
     print("sent", flush=True)
@@ -279,21 +281,20 @@ async def answering(frames: list[bytes]) -> RequestPlaneServer:
 
 
 GOOD = [b"a" * 100, b"b" * 100, b"c" * 100]
+SHARED_1GIB = msgspec.msgpack.encode(KvShared("weir-kv-" + "0" * 32, 0, [1 << 30]))
 
 
 @pytest.mark.parametrize(
     ("answer", "kept", "reason"),
     [
-        ([KvRecords([*GOOD[:2], b"x" * 5000])], 2, "oversized"),
-        ([KvRecords(GOOD[:2]), KvRecords([GOOD[2], b"d" * 100])], 3, "surplus"),
+        ([INLINE, *GOOD[:2], b"x" * 5000], 2, "oversized"),
+        ([INLINE, *GOOD, b"d" * 100], 3, "surplus"),
         # Declared sizes are checked before the segment is opened or read.
-        ([KvRecords(GOOD[:1]), KvShared("weir-kv-" + "0" * 32, 0, [1 << 30])], 1, "oversized"),
+        ([SHARED_1GIB], 0, "oversized"),
     ],
 )
-async def test_oversized_and_surplus_records_are_refused(
-    answer: list[KvRecords | KvShared], kept: int, reason: str
-) -> None:
-    server = await answering([msgspec.msgpack.encode(frame) for frame in answer])
+async def test_oversized_and_surplus_records_are_refused(answer: list[bytes], kept: int, reason: str) -> None:
+    server = await answering(answer)
     client = RequestPlaneClient()
     worker = f"refusing-{reason}-{kept}"
     try:
@@ -342,7 +343,8 @@ async def test_cancelling_the_decode_stops_the_pull(planes: tuple[Discovery, Eve
 
     async def kv_blocks(payload: bytes) -> AsyncGenerator[bytes, None]:
         try:
-            yield msgspec.msgpack.encode(KvRecords([b"a" * 100]))
+            yield INLINE
+            yield b"a" * 100
             first_sent.set()
             await asyncio.Event().wait()
         finally:

@@ -13,6 +13,7 @@ import pytest
 
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.request_plane import RequestPlaneClient, RequestPlaneServer
+from orchestrator.runtime.request_plane.connection import DIRECT_WRITE_BYTES
 from orchestrator.runtime.request_plane.frames import Call, Data, End, Error, decoder, encode_frame
 
 
@@ -249,3 +250,33 @@ async def test_a_caller_that_disconnects_cancels_its_handlers(server: RequestPla
     assert isinstance(await read_frame(reader), Data)
     writer.close()
     await asyncio.wait_for(server.forever.cleaned_up.wait(), 2.0)  # type: ignore[attr-defined]
+
+
+async def test_large_payloads_written_as_is_arrive_intact_and_in_order() -> None:
+    """Payloads past DIRECT_WRITE_BYTES skip the write batch; small ones queued before them
+    must still leave first, and another stream's frames must not land inside them."""
+    big = [bytes([i]) * (DIRECT_WRITE_BYTES + i * 100_003) for i in range(1, 6)]
+
+    async def mixed(payload: bytes) -> AsyncIterator[bytes]:
+        for i, chunk in enumerate(big):
+            yield f"{payload.decode()}:{i}".encode()
+            yield chunk
+
+    srv = RequestPlaneServer({"mixed": mixed})
+    await srv.start("127.0.0.1", 0)
+    # The call's own backlog bound, not the client's tiny one, applies.
+    client = RequestPlaneClient(max_backlog_bytes=400)
+    try:
+
+        async def collect(name: str) -> list[bytes]:
+            stream = client.stream(
+                f"127.0.0.1:{srv.port}", "mixed", name.encode(), max_backlog_bytes=64 << 20
+            )
+            return [p async for p in stream]
+
+        a, b = await asyncio.gather(collect("a"), collect("b"))
+        for name, got in (("a", a), ("b", b)):
+            assert got == [x for i, chunk in enumerate(big) for x in (f"{name}:{i}".encode(), chunk)]
+    finally:
+        await client.close()
+        await srv.stop()

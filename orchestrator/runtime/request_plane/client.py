@@ -9,7 +9,8 @@ A stream's caller that falls behind (a slow HTTP reader upstream) leaves payload
 here; past `max_backlog_bytes` the call is cancelled at the worker and the stream ends, after
 what was already buffered, with `EngineError('cancelled')` (not retryable: another worker
 would meet the same reader). So a stalled reader costs a bounded number of bytes, not one
-payload per generated token.
+payload per generated token. A call may set its own bound (`stream(..., max_backlog_bytes=)`):
+a KV pull's frames are megabytes, a delta's are bytes.
 
 With a cluster secret (`PlaneSecurity`), a connection carries no call until the server has
 proved it holds the secret too (security.py); a failed or timed-out handshake is `unavailable`.
@@ -38,10 +39,9 @@ from orchestrator.runtime.request_plane.security import (
 
 
 class _ClientConnection(FrameProtocol):
-    def __init__(self, address: str, secret: bytes | None, max_backlog_bytes: int) -> None:
+    def __init__(self, address: str, secret: bytes | None) -> None:
         super().__init__(MAX_ANSWER_BYTES)
         self.address = address
-        self.max_backlog_bytes = max_backlog_bytes
         self.streams: dict[int, _Inbox] = {}
         self._next_id = 0
         self._secret = secret
@@ -86,13 +86,13 @@ class _ClientConnection(FrameProtocol):
         # Frames for a stream the caller already cancelled are dropped.
         if type(frame) is Data:
             stream = self.streams.get(frame.stream_id)
-            if stream is not None and not stream.push(frame.payload, self.max_backlog_bytes):
+            if stream is not None and not stream.push(frame.payload):
                 del self.streams[frame.stream_id]
                 self.send(Cancel(frame.stream_id))
                 stream.finish(
                     EngineError(
                         "cancelled",
-                        f"the caller fell more than {self.max_backlog_bytes} bytes behind the stream",
+                        f"the caller fell more than {stream.max_backlog} bytes behind the stream",
                     )
                 )
         elif type(frame) is End:
@@ -121,18 +121,19 @@ class _Inbox:
     """What has arrived for one stream. The connection holds inboxes, never the caller's
     `ResponseStream`, so a stream the caller drops is collected and can cancel itself."""
 
-    __slots__ = ("backlog", "done", "error", "items", "waiter")
+    __slots__ = ("backlog", "done", "error", "items", "max_backlog", "waiter")
 
-    def __init__(self) -> None:
+    def __init__(self, max_backlog: int) -> None:
         self.items: deque[bytes] = deque()
         self.backlog = 0  # bytes in `items`
+        self.max_backlog = max_backlog
         self.waiter: asyncio.Future[None] | None = None
         self.done = False
         self.error: EngineError | None = None
 
-    def push(self, payload: bytes, max_backlog: int) -> bool:
+    def push(self, payload: bytes) -> bool:
         """Queues `payload`; False (payload dropped) when the backlog would pass `max_backlog`."""
-        if self.backlog + len(payload) > max_backlog and self.items:
+        if self.backlog + len(payload) > self.max_backlog and self.items:
             return False
         self.items.append(payload)
         self.backlog += len(payload)
@@ -157,12 +158,14 @@ class ResponseStream:
 
     __slots__ = ("_client", "_conn", "_inbox", "_request", "_stream_id")
 
-    def __init__(self, client: RequestPlaneClient, address: str, endpoint: str, payload: bytes) -> None:
+    def __init__(
+        self, client: RequestPlaneClient, address: str, endpoint: str, payload: bytes, max_backlog: int
+    ) -> None:
         self._client = client
         self._request: tuple[str, str, bytes] | None = (address, endpoint, payload)
         self._conn: _ClientConnection | None = None
         self._stream_id = 0
-        self._inbox = _Inbox()
+        self._inbox = _Inbox(max_backlog)
 
     def __aiter__(self) -> ResponseStream:
         return self
@@ -242,10 +245,14 @@ class RequestPlaneClient:
         self._conns: dict[str, _ClientConnection] = {}
         self._connecting: dict[str, asyncio.Future[_ClientConnection]] = {}
 
-    def stream(self, address: str, endpoint: str, payload: bytes) -> ResponseStream:
+    def stream(
+        self, address: str, endpoint: str, payload: bytes, max_backlog_bytes: int | None = None
+    ) -> ResponseStream:
         """Call `endpoint` on the worker at `address` ("host:port"); nothing is sent until the
-        first `__anext__`. Failures arrive from the iterator as `EngineError`."""
-        return ResponseStream(self, address, endpoint, payload)
+        first `__anext__`. Failures arrive from the iterator as `EngineError`.
+        `max_backlog_bytes` overrides the client's bound for this call."""
+        backlog = self.max_backlog_bytes if max_backlog_bytes is None else max_backlog_bytes
+        return ResponseStream(self, address, endpoint, payload, backlog)
 
     async def connection(self, address: str) -> _ClientConnection:
         conn = self._conns.get(address)
@@ -260,7 +267,7 @@ class RequestPlaneClient:
 
     async def _connect(self, address: str) -> _ClientConnection:
         host, _, port = address.rpartition(":")
-        factory = partial(_ClientConnection, address, self.security.secret, self.max_backlog_bytes)
+        factory = partial(_ClientConnection, address, self.security.secret)
         tls = self.security.client_tls
         try:
             async with asyncio.timeout(self.connect_timeout):

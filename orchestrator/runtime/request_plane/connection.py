@@ -3,6 +3,9 @@
 Frames queued in one event-loop iteration leave in one `transport.write` (one syscall), so
 a step that produces deltas for 100 streams costs one send, not 100. Writers never await per
 frame; a producer checks `paused` and awaits `writable()` only when the socket is backed up.
+A large `Data` payload (KV records) is the exception: it goes to the transport at once, as
+is, after its header (frames.data_header), so it is never copied into the batch and the
+transport's flow control paces whoever produces many of them.
 
 Reading is linear in the bytes received: a partial frame waits in one bytearray that grows by
 appending and loses its consumed head by `del` (which CPython does in place), never a copy of
@@ -20,10 +23,13 @@ from typing import cast
 
 import msgspec
 
-from orchestrator.runtime.request_plane.frames import Frame, append_frame, decoder
+from orchestrator.runtime.request_plane.frames import Data, Frame, append_frame, data_header, decoder
 from orchestrator.runtime.throttled_log import ThrottledWarning
 
 log = logging.getLogger(__name__)
+
+# Data payloads from this size on skip the batch (see above); smaller ones are cheaper batched.
+DIRECT_WRITE_BYTES = 64 * 1024
 
 
 def configure_socket(sock: socket.socket) -> None:
@@ -86,6 +92,12 @@ class FrameProtocol(asyncio.Protocol):
     def send(self, frame: Frame) -> None:
         if self.transport is None:
             return
+        if type(frame) is Data and len(frame.payload) >= DIRECT_WRITE_BYTES:
+            self._flush()  # what was queued before it leaves before it
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.write(data_header(frame.stream_id, len(frame.payload)))
+                self.transport.write(frame.payload)
+            return
         append_frame(self._wbuf, frame)
         if not self._flush_pending:
             self._flush_pending = True
@@ -94,8 +106,9 @@ class FrameProtocol(asyncio.Protocol):
     def _flush(self) -> None:
         self._flush_pending = False
         if self._wbuf and self.transport is not None and not self.transport.is_closing():
-            self.transport.write(bytes(self._wbuf))
-        self._wbuf.clear()
+            # Handed over, not copied: the transport may keep it, so it is never touched again.
+            self.transport.write(self._wbuf)
+        self._wbuf = bytearray()
 
     async def writable(self) -> None:
         if self.paused:

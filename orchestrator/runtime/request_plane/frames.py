@@ -71,6 +71,14 @@ def append_frame(buf: bytearray, frame: Frame) -> None:
     _HEADER.pack_into(buf, start, len(buf) - start - 4)
 
 
+def data_header(stream_id: int, size: int) -> bytes:
+    """What precedes a `size`-byte payload in the encoding of `Data(stream_id, payload)`: the
+    length prefix, the array header, the tag, the stream id and a bin32 header. Lets a large
+    payload be written as is after it, never copied into a frame."""
+    body = b"\x93\x03" + _encoder.encode(stream_id) + b"\xc6" + size.to_bytes(4, "big")
+    return _HEADER.pack(len(body) + size) + body
+
+
 def encode_frame(frame: Frame) -> bytes:
     buf = bytearray()
     append_frame(buf, frame)

@@ -44,7 +44,6 @@ except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
     uvloop = None  # type: ignore[assignment]
 
 REPO = Path(__file__).resolve().parents[1]
-MIB = 1 << 20
 
 
 def make_records(blocks: int, size: int) -> list[bytes]:

@@ -59,7 +59,7 @@ class WithRole:
     async def stop(self) -> None:
         await self.engine.stop()
 
-    def generate(self, request: WorkerRequest, arrived_kv: Sequence[bytes] = ()) -> DeltaStream:
+    def generate(self, request: WorkerRequest, arrived_kv: Sequence[bytes | memoryview] = ()) -> DeltaStream:
         return self.engine.generate(request, arrived_kv)
 
     def read_transfer(self, transfer_id: str) -> list[bytes] | None:

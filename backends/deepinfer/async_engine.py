@@ -73,7 +73,7 @@ class AsyncEngine:
     # ------------------------------------------------------------------ requests
 
     async def generate(
-        self, request: WorkerRequest, arrived_kv: Seq[bytes] = ()
+        self, request: WorkerRequest, arrived_kv: Seq[bytes | memoryview] = ()
     ) -> AsyncGenerator[TokenDelta, None]:
         """Stream one request's deltas; the last carries finish_reason and usage (and, for a
         prefill-only request, the KV it holds). `arrived_kv`: see `Engine.generate`."""

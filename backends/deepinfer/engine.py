@@ -159,7 +159,7 @@ class Engine:
         with self.lock:
             self.scheduler.release(transfer_id)
 
-    def check_arrived(self, transfer: KvTransfer, arrived_kv: Seq[bytes]) -> dict[int, Payload]:
+    def check_arrived(self, transfer: KvTransfer, arrived_kv: Seq[bytes | memoryview]) -> dict[int, Payload]:
         """The prompt blocks of `arrived_kv` this engine can load (`transfers.arrived_blocks`)."""
         return transfers.arrived_blocks(transfer, arrived_kv, self.layout, self.runner.kv_cache.block_bytes)
 

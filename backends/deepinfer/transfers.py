@@ -38,7 +38,7 @@ def to_records(held: list[tuple[int, int]], payloads: Sequence[Payload], layout:
 
 
 def arrived_blocks(
-    transfer: KvTransfer, arrived_kv: Sequence[bytes], layout: int, block_bytes: int
+    transfer: KvTransfer, arrived_kv: Sequence[Payload], layout: int, block_bytes: int
 ) -> dict[int, Payload]:
     """seq_hash -> payload of the leading records a decode engine can load. Hashes and copies
     every payload: call it off the event loop for real KV."""

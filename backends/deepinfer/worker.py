@@ -76,7 +76,7 @@ class DeepInferWorker:
             if tiers is not None:
                 await asyncio.to_thread(tiers.close)  # the transfer thread finishes its queue
 
-    def generate(self, request: WorkerRequest, arrived_kv: Seq[bytes] = ()) -> DeltaStream:
+    def generate(self, request: WorkerRequest, arrived_kv: Seq[bytes | memoryview] = ()) -> DeltaStream:
         if self._async is None:
             raise EngineError("unavailable", "the DeepInfer worker has not been started", retryable=True)
         return self._async.generate(request, arrived_kv)

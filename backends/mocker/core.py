@@ -149,7 +149,7 @@ class MockerCore:
     def release_transfer(self, transfer_id: str) -> None:
         self.scheduler.release(transfer_id)
 
-    def check_arrived(self, transfer: KvTransfer, arrived_kv: Seq[bytes]) -> dict[int, Payload]:
+    def check_arrived(self, transfer: KvTransfer, arrived_kv: Seq[bytes | memoryview]) -> dict[int, Payload]:
         return transfers.arrived_blocks(transfer, arrived_kv, self.layout, 0)
 
     def transfer_ms(self, num_blocks: int) -> float:

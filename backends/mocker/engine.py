@@ -115,7 +115,7 @@ class MockerEngine:
                 stream.push(final)
 
     async def generate(
-        self, request: WorkerRequest, arrived_kv: Seq[bytes] = ()
+        self, request: WorkerRequest, arrived_kv: Seq[bytes | memoryview] = ()
     ) -> AsyncGenerator[TokenDelta, None]:
         if self._task is None:
             raise EngineError("unavailable", "the mocker engine is not running", retryable=True)

@@ -44,7 +44,7 @@ class Engine(Protocol):
     async def stop(self) -> None:
         """Stop the loop; in-flight requests end with finish_reason 'abort'."""
 
-    def generate(self, request: WorkerRequest, arrived_kv: Sequence[bytes] = ()) -> DeltaStream:
+    def generate(self, request: WorkerRequest, arrived_kv: Sequence[bytes | memoryview] = ()) -> DeltaStream:
         """Stream deltas for one request; the last has a finish_reason and usage. A request
         the engine rejects or cannot finish raises EngineError.
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import mmap
 import os
 import re
 import secrets
@@ -148,16 +149,20 @@ def write_records(fd: int, records: list[bytes], offset: int) -> None:
         raise OSError(f"short write of {size} bytes into a KV segment")
 
 
-def read_records(fd: int, offset: int, sizes: list[int]) -> list[bytes]:
-    """Blocking: the records of `sizes` from `offset`; each `pread` fills a fresh bytes object
-    straight from the segment (the one copy this side makes)."""
-    records: list[bytes] = []
-    for size in sizes:
-        record = os.pread(fd, size, offset)
-        if len(record) != size:
-            raise OSError("a KV segment is shorter than its answer said")
-        records.append(record)
-        offset += size
+def map_records(fd: int, offset: int, sizes: list[int]) -> list[memoryview]:
+    """Blocking: the records of `sizes` from `offset`, as views of the segment mapped into this
+    process, not copies: the one copy this side makes is the engine's, into its KV cache. The
+    segment is unlinked already, so its pages go when the last view of them does."""
+    size = sum(sizes)
+    if os.fstat(fd).st_size < offset + size:
+        raise OSError("a KV segment is shorter than its answer said")
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    view = memoryview(mmap.mmap(fd, offset + size - start, prot=mmap.PROT_READ, offset=start))
+    records: list[memoryview] = []
+    position = offset - start
+    for length in sizes:
+        records.append(view[position : position + length])
+        position += length
     return records
 
 

@@ -29,8 +29,8 @@ from orchestrator.runtime.kv_transfer import (
     encode,
     host_id,
     in_thread_on,
+    map_records,
     open_segment,
-    read_records,
 )
 from orchestrator.runtime.protocol import KvTransfer
 from orchestrator.runtime.request_plane.client import RequestPlaneClient
@@ -52,7 +52,7 @@ class _Pull:
         self.wanted = wanted
         self.max_record = max_record
         self.worker_id = worker_id
-        self.records: list[bytes] = []
+        self.records: list[bytes | memoryview] = []
         self.size = 0
         self.transport = "tcp"
         self._inline = False  # past the answer's KvInline: each frame is a record
@@ -71,22 +71,21 @@ class _Pull:
                 return
             shared, sizes = answer, answer.sizes
         count, refused = self._acceptable(sizes)
-        if shared is None:
-            accepted = [payload] if count else []
-        else:
-            accepted = await self._read(shared, count) if count else []
+        accepted: list[bytes | memoryview] = []
+        if count:
+            accepted += [payload] if shared is None else await self._read(shared, count)
         self.records += accepted
         self.size += sum(map(len, accepted))
         if refused:
             metrics.KV_RECORDS_REFUSED.labels(self.worker_id, refused).inc()
             raise _Refused(f"refused a record: {refused}")
 
-    async def _read(self, answer: KvShared, count: int) -> list[bytes]:
+    async def _read(self, answer: KvShared, count: int) -> list[memoryview]:
         if self._fd is None:  # claimed (unlinked) on first sight: gone even if this pull dies
             self._fd, self._segment, self.transport = open_segment(answer.segment), answer.segment, "shm"
         elif answer.segment != self._segment:
             raise ValueError("the answer switched shared-memory segments")
-        return await in_thread_on(self._fd, read_records, answer.offset, answer.sizes[:count])
+        return await in_thread_on(self._fd, map_records, answer.offset, answer.sizes[:count])
 
     def _acceptable(self, sizes: list[int]) -> tuple[int, str]:
         """How many of `sizes` may be taken, and why the next one may not ("" if all may)."""
@@ -106,9 +105,9 @@ class _Pull:
 
 async def pull_kv(
     client: RequestPlaneClient, transfer: KvTransfer, timeout_s: float, *, worker_id: str = ""
-) -> list[bytes]:
-    """The records of `transfer`, in order, from the worker holding them: through shared
-    memory when it is on this host, else streamed over the request plane. On a failure or
+) -> list[bytes | memoryview]:
+    """The records of `transfer`, in order, from the worker holding them: mapped from shared
+    memory when it is on this host (views, no copy), else streamed over the request plane. On a failure or
     after `timeout_s`, the records that arrived before it (cancelling the caller stops the
     pull). `worker_id` labels the metrics."""
     wanted = len(transfer.block_hashes)

@@ -68,7 +68,7 @@ class FakeEngine:
         self.stopped = True
 
     async def generate(
-        self, request: WorkerRequest, arrived_kv: Sequence[bytes] = ()
+        self, request: WorkerRequest, arrived_kv: Sequence[bytes | memoryview] = ()
     ) -> AsyncIterator[TokenDelta]:
         if not request.token_ids:
             raise EngineError("invalid_request", "empty prompt")

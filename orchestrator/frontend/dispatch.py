@@ -165,7 +165,7 @@ async def _disaggregated(
     entry: ModelEntry, prefill: ModelRoutes, request: WorkerRequest, route: RouteRequest, migration_limit: int
 ) -> Deltas:
     state = _Prefill()
-    async with aclosing(_prefill(entry, prefill, request, route, state)) as deltas:
+    async with aclosing(_prefill(entry, prefill, request, route, migration_limit, state)) as deltas:
         async for delta in deltas:
             yield delta
     if state.finished:
@@ -196,7 +196,12 @@ async def _disaggregated(
 
 
 async def _prefill(
-    entry: ModelEntry, prefill: ModelRoutes, request: WorkerRequest, route: RouteRequest, state: _Prefill
+    entry: ModelEntry,
+    prefill: ModelRoutes,
+    request: WorkerRequest,
+    route: RouteRequest,
+    migration_limit: int,
+    state: _Prefill,
 ) -> Deltas:
     """The prefill phase: its tokens as the caller's first deltas (without the prefill's own
     end, unless the request ends there), and what the decode needs in `state`."""
@@ -231,6 +236,8 @@ async def _prefill(
         if exc.code == "unavailable" and prefill.trip(worker_id):
             entry.metrics.breaker_trips.inc()
         if state.generated:
+            if not exc.retryable or migration_limit == 0:
+                raise
             log.warning(
                 "prefill of %s failed after its first token (%s); migrating it", request.request_id, exc
             )

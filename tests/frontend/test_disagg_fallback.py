@@ -6,6 +6,8 @@ candidates and requests are served whole by the policy, not by a fallback."""
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -55,9 +57,20 @@ def complete(client: openai.OpenAI) -> str:
     return out.choices[0].text
 
 
-def test_a_refused_prefill_falls_back_to_a_whole_request(live: LiveFrontend) -> None:
+def test_a_refused_prefill_falls_back_to_a_whole_request(
+    live: LiveFrontend, caplog: pytest.LogCaptureFixture
+) -> None:
     client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=30)
-    disaggregated = complete(client)
+    with caplog.at_level(logging.DEBUG, logger="weir.frontend"):
+        disaggregated = complete(client)
+    # The decision's inputs, at debug level only: both pools' best candidates.
+    decided = [r.getMessage() for r in caplog.records if r.getMessage().startswith("disagg ")]
+    assert len(decided) == 1
+    assert re.fullmatch(
+        r"disagg \S+ -> prefill \(always\) prompt=\d+ whole=Candidate\(uncached_tokens=\d+, "
+        r"queued_tokens=\d+\) prefill=Candidate\(uncached_tokens=\d+, queued_tokens=\d+\)",
+        decided[0],
+    ), decided
     assert (
         counted(live, "weir_frontend_disagg_decisions_total", f'model="{MODEL}",outcome="disaggregated"') == 1
     )

@@ -135,7 +135,7 @@ class Engine:
     def transfer(self, request_id: str) -> KvTransfer | None:
         """What a finished prefill-only request holds, for its last delta; None if nothing."""
         with self.lock:
-            held = self.scheduler.held.get(request_id, [])
+            held = self.scheduler.held.get(request_id)
         return transfers.describe(request_id, held, self.layout, self.runner.kv_cache.block_bytes)
 
     def read_transfer(self, transfer_id: str) -> list[bytes] | None:
@@ -145,15 +145,15 @@ class Engine:
         kv = self.scheduler.kv_cache
         with self.lock:
             held = self.scheduler.held.get(transfer_id)
-            if not held:
+            if held is None or not held.blocks:
                 return None
             kv.retain(held)
         try:
-            payloads = self.runner.kv_cache.read_blocks([block_id for block_id, _ in held])
+            payloads = self.runner.kv_cache.read_blocks([block_id for block_id, _ in held.blocks])
         finally:
             with self.lock:
                 kv.release(held)
-        return transfers.to_records(held, payloads, self.layout)
+        return transfers.to_records(held.blocks, payloads, self.layout)
 
     def release_transfer(self, transfer_id: str) -> None:
         with self.lock:

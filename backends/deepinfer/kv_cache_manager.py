@@ -13,11 +13,14 @@ at once, from disk or a remote store on the tiers' transfer thread while the seq
 (`Prefix.waiting`; the scheduler sets it aside as LOADING_KV). A block a tier cannot return
 intact is simply not part of the prefix and is recomputed.
 
-Disaggregation uses the same path from both ends. A decode sequence arrives with the prompt
-blocks its prefill worker computed (`Sequence.arrived`); the walk takes them after the device's
-own blocks, as loads like a tier's, and recomputes whatever did not arrive. A prefill-only
-sequence's full prompt blocks are held when it finishes (`hold`), referenced so that no
-eviction reuses them, until the decode worker has pulled them or gave up (`release`).
+Disaggregation uses the same path from both ends. A prefill-only sequence's prompt blocks
+are held when it finishes (`hold`), referenced so that no eviction reuses them, until the
+decode worker has pulled them or gave up (`release`): its full blocks, and its last, partial
+block named by `tail_hash`. A decode sequence arrives with those blocks (`Sequence.arrived`);
+the walk takes them after the device's own blocks, as loads like a tier's, the partial block
+last and uncached (it is still being filled), and recomputes whatever did not arrive. With
+the whole prompt arrived, the decode's first step is a decode step, as it would have been on
+the prefill worker.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from backends.deepinfer.outputs import BlockLoad, LoadSource
 from backends.deepinfer.sequence import Sequence
 from kvbm.records import Payload
 from kvbm.tiered import Fetch, Fetched, TieredStore
-from orchestrator.runtime.hashing import block_hashes
+from orchestrator.runtime.hashing import block_hashes, tail_hash
 from orchestrator.runtime.protocol import (
     AllCleared,
     BlockRemoved,
@@ -48,14 +51,31 @@ class Prefix:
     blocks: list[Block] = field(default_factory=list)
     arrived: list[tuple[int, Payload]] = field(default_factory=list)  # (seq_hash, payload) from a prefill
     loads: list[Fetched] = field(default_factory=list)
+    # The prompt's partial last block from a prefill: its payload and how many tokens it holds.
+    tail: tuple[Payload, int] | None = None
     waiting: bool = False
 
     def __len__(self) -> int:
-        return len(self.blocks) + len(self.arrived) + len(self.loads)
+        """Blocks, the partial one included."""
+        return len(self.blocks) + len(self.arrived) + len(self.loads) + (self.tail is not None)
+
+    def num_tokens(self, block_size: int) -> int:
+        full = len(self.blocks) + len(self.arrived) + len(self.loads)
+        return full * block_size + (self.tail[1] if self.tail is not None else 0)
 
     @property
     def num_to_load(self) -> int:
-        return len(self.arrived) + len(self.loads)
+        return len(self.arrived) + len(self.loads) + (self.tail is not None)
+
+
+@dataclass(slots=True)
+class Held:
+    """A finished prefill-only sequence's blocks kept for a decode worker: (block_id, name)
+    in prefix order, the names its block hashes and, when `tail_tokens`, the last one the
+    `tail_hash` of a partial block of that many tokens."""
+
+    blocks: list[tuple[int, int]] = field(default_factory=list)
+    tail_tokens: int = 0
 
 
 class KVCacheManager:
@@ -121,6 +141,7 @@ class KVCacheManager:
                 if payload is None:
                     break
                 prefix.arrived.append((h, payload))
+            prefix.tail = self._arrived_tail(seq, len(prefix.blocks) + len(prefix.arrived))
         found = len(prefix.blocks) + len(prefix.arrived)
         if self.tiers is not None and found < n_full:
             prefix.loads, prefix.waiting = self.tiers.fetch_prefix(hashes[found:n_full], seq.fetch)
@@ -129,9 +150,8 @@ class KVCacheManager:
     def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: Prefix | None = None) -> bool:
         """Whether `seq` can get slots for `num_new_tokens` more tokens (after `prefix`, for a
         sequence without blocks). Prefix hits on free blocks take them off the free list too."""
-        prefix_len = len(prefix) if prefix is not None else 0
-        needed = self._blocks_needed(seq, num_new_tokens, prefix_len)
-        if needed == 0 and not prefix_len:
+        needed = self._blocks_needed(seq, num_new_tokens, prefix)
+        if needed == 0 and not prefix:
             return True  # the common decode step: room left in the last block
         taken = (
             0 if prefix is None else sum(1 for b in prefix.blocks if b.ref_count == 0) + prefix.num_to_load
@@ -143,13 +163,13 @@ class KVCacheManager:
         if not seq.block_table:  # admission (or resumption after preemption)
             if prefix:
                 self._take_prefix(seq, prefix)
-            seq.num_computed_tokens = len(seq.block_table) * self.block_size
-            seq.num_registered_blocks = len(seq.block_table)
+            seq.num_computed_tokens = prefix.num_tokens(self.block_size) if prefix else 0
+            seq.num_registered_blocks = seq.num_computed_tokens // self.block_size
             if seq.num_completion_tokens == 0:  # a sequence resumed mid-decode keeps its figure
                 seq.num_cached_tokens = seq.num_computed_tokens
         elif prefix:
             raise ValueError(f"{seq.request_id}: a prefix can only start an empty block table")
-        for _ in range(self._blocks_needed(seq, num_new_tokens, 0)):
+        for _ in range(self._blocks_needed(seq, num_new_tokens)):
             seq.block_table.append(self._take_free().block_id)
 
     def _take_prefix(self, seq: Sequence, prefix: Prefix) -> None:
@@ -167,9 +187,14 @@ class KVCacheManager:
             self.pool.cache(block, seq_hash)
             seq.block_table.append(block.block_id)
             self._loads.append(BlockLoad(block.block_id, source, payload))
-        self._events.append(
-            BlockStored(blocks=[seq_hash for seq_hash, _, _ in loads], parent_seq_hash=parent)
-        )
+        if loads:
+            self._events.append(
+                BlockStored(blocks=[seq_hash for seq_hash, _, _ in loads], parent_seq_hash=parent)
+            )
+        if prefix.tail is not None:  # not cached: the decode fills the rest of it
+            block = self._take_free()
+            seq.block_table.append(block.block_id)
+            self._loads.append(BlockLoad(block.block_id, "transfer", prefix.tail[0]))
         if prefix.loads:
             assert self.tiers is not None
             self.tiers.onboarded(prefix.loads)
@@ -185,25 +210,31 @@ class KVCacheManager:
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
 
-    def hold(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Keep `seq`'s full prompt blocks that entered the prefix cache referenced past its
-        end, for a decode worker to pull; (block_id, seq_hash) of each, in prefix order. Call
-        before `deallocate`."""
+    def hold(self, seq: Sequence) -> Held:
+        """Keep `seq`'s computed prompt blocks referenced past its end, for a decode worker
+        to pull: the full ones that entered the prefix cache and, when every full one did,
+        the partial last one. Call before `deallocate`."""
         if not self.enable_prefix_caching:
-            return []  # no hashes to name the blocks by: the decode worker computes the prompt
-        n = min(seq.num_registered_blocks, seq.num_prompt_tokens // self.block_size)
-        held = list(zip(seq.block_table[:n], seq.block_hashes[:n], strict=True))
+            return Held()  # no hashes to name the blocks by: the decode worker computes the prompt
+        bs, prompt = self.block_size, seq.num_prompt_tokens
+        n = min(seq.num_registered_blocks, prompt // bs)
+        held = Held(list(zip(seq.block_table[:n], seq.block_hashes[:n], strict=True)))
+        if n == prompt // bs and prompt % bs and seq.num_computed_tokens >= prompt:
+            tail = tail_hash(seq.token_ids[:prompt], bs, seq.request.cache_salt)
+            assert tail is not None
+            held.blocks.append((seq.block_table[n], tail))
+            held.tail_tokens = prompt % bs
         self.retain(held)
         return held
 
-    def retain(self, held: list[tuple[int, int]]) -> None:
-        """One more reference on blocks `hold` returned (a reader copying them out)."""
-        for block_id, _ in held:
+    def retain(self, held: Held) -> None:
+        """One more reference on held blocks (a reader copying them out)."""
+        for block_id, _ in held.blocks:
             self.pool.ref(self.pool.blocks[block_id])
 
-    def release(self, held: list[tuple[int, int]]) -> None:
-        """Drop the references `hold` took; the blocks stay cached until evicted."""
-        for block_id, _ in held:
+    def release(self, held: Held) -> None:
+        """Drop the references `hold` took; full blocks stay cached until evicted."""
+        for block_id, _ in held.blocks:
             self.pool.release(block_id)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -280,9 +311,20 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ internals
 
-    def _blocks_needed(self, seq: Sequence, num_new_tokens: int, num_prefix_blocks: int) -> int:
-        tokens = seq.num_computed_tokens + num_prefix_blocks * self.block_size + num_new_tokens
-        return max(0, -(-tokens // self.block_size) - len(seq.block_table) - num_prefix_blocks)
+    def _blocks_needed(self, seq: Sequence, num_new_tokens: int, prefix: Prefix | None = None) -> int:
+        prefix_tokens = prefix.num_tokens(self.block_size) if prefix else 0
+        tokens = seq.num_computed_tokens + prefix_tokens + num_new_tokens
+        prefix_blocks = len(prefix) if prefix else 0
+        return max(0, -(-tokens // self.block_size) - len(seq.block_table) - prefix_blocks)
+
+    def _arrived_tail(self, seq: Sequence, found: int) -> tuple[Payload, int] | None:
+        """The prompt's partial last block, if it arrived and everything before it is there."""
+        bs, prompt = self.block_size, seq.num_prompt_tokens
+        if found != prompt // bs or not prompt % bs or len(seq) != prompt + 1:
+            return None
+        tail = tail_hash(seq.token_ids[:prompt], bs, seq.request.cache_salt)
+        payload = seq.arrived.get(tail) if tail is not None else None
+        return None if payload is None else (payload, prompt % bs)
 
     def _hash_blocks(self, seq: Sequence, n_full: int) -> None:
         """Extend seq.block_hashes to its first `n_full` blocks, hashing only the new ones."""

@@ -8,7 +8,7 @@ yet in the current step. Preemption is by recompute: the victim's blocks are fre
 back to waiting with its tokens, and the prefix cache usually gives most of its KV back.
 
 Disaggregation: a prefill-only request finishes after its first token ("length") with its
-prompt's full blocks held under its request id (`held`), until `release` drops them.
+prompt's blocks held under its request id (`held`), until `release` drops them.
 
 Nothing here touches torch; the model runner reads each ScheduledChunk and `seq.block_table`.
 """
@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
 from backends.deepinfer.config import EngineConfig
-from backends.deepinfer.kv_cache_manager import KVCacheManager
+from backends.deepinfer.kv_cache_manager import Held, KVCacheManager
 from backends.deepinfer.outputs import SampledToken, ScheduledChunk, SchedulerOutput, SeqOutput
 from backends.deepinfer.sequence import Sequence, SequenceStatus
 from kvbm.tiered import TieredStore
@@ -49,8 +49,7 @@ class Scheduler:
         # Waiting sequences whose prefix a slow KV tier is reading; back in `waiting` when done.
         self.loading: list[Sequence] = []
         self._order: dict[str, tuple[int, int]] = {}  # request_id -> (priority, arrival)
-        # transfer id (the prefill-only request's id) -> its held (block_id, seq_hash), in order
-        self.held: dict[str, list[tuple[int, int]]] = {}
+        self.held: dict[str, Held] = {}  # transfer id (the prefill-only request's id) -> its blocks
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = 0
         self._waiting_tokens = 0  # sum of len(seq) over `waiting`, kept so load reports are cheap
@@ -185,7 +184,7 @@ class Scheduler:
                 seq.status = SequenceStatus.LOADING_KV
                 self.loading.append(seq)
                 continue
-            n = len(seq) - len(prefix) * self.block_size
+            n = len(seq) - prefix.num_tokens(self.block_size)
             if n > budget:
                 if not self.enable_chunked_prefill:
                     break

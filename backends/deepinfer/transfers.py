@@ -11,29 +11,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from backends.deepinfer.kv_cache_manager import Held
 from kvbm import records
 from kvbm.records import Payload
 from orchestrator.runtime.protocol import KvTransfer
 
 
-def describe(
-    request_id: str, held: list[tuple[int, int]], layout: int, block_bytes: int
-) -> KvTransfer | None:
+def describe(request_id: str, held: Held | None, layout: int, block_bytes: int) -> KvTransfer | None:
     """The transfer a finished prefill-only request offers (its host fills in where from)."""
-    if not held:
+    if held is None or not held.blocks:
         return None
     return KvTransfer(
         transfer_id=request_id,
-        block_hashes=[seq_hash for _, seq_hash in held],
+        block_hashes=[name for _, name in held.blocks],
         layout=layout,
         block_bytes=block_bytes,
     )
 
 
-def to_records(held: list[tuple[int, int]], payloads: Sequence[Payload], layout: int) -> list[bytes]:
+def to_records(blocks: list[tuple[int, int]], payloads: Sequence[Payload], layout: int) -> list[bytes]:
+    """Held `(block_id, name)` blocks' payloads as records under their names."""
     return [
-        records.encode(seq_hash, layout, payload)
-        for (_, seq_hash), payload in zip(held, payloads, strict=True)
+        records.encode(name, layout, payload) for (_, name), payload in zip(blocks, payloads, strict=True)
     ]
 
 

@@ -144,7 +144,9 @@ class MockerCore:
 
     def read_transfer(self, transfer_id: str) -> list[bytes] | None:
         held = self.scheduler.held.get(transfer_id)
-        return None if not held else transfers.to_records(held, [b""] * len(held), self.layout)
+        if held is None or not held.blocks:
+            return None
+        return transfers.to_records(held.blocks, [b""] * len(held.blocks), self.layout)
 
     def release_transfer(self, transfer_id: str) -> None:
         self.scheduler.release(transfer_id)
@@ -198,7 +200,7 @@ class MockerCore:
             if result.finished:
                 del self._requests[seq.request_id]
                 reason: FinishReason = "stop" if seq.finish_reason == "stop" else "length"
-                held = self.scheduler.held.get(seq.request_id, [])
+                held = self.scheduler.held.get(seq.request_id)
                 transfer = transfers.describe(seq.request_id, held, self.layout, self.block_bytes)
                 outputs.append(RequestOutput(seq.request_id, token_ids, reason, _usage(seq), transfer))
             else:

@@ -45,7 +45,7 @@ from orchestrator.runtime.discovery import Discovery, DiscoveryUnavailable, drai
 from orchestrator.runtime.engine import DeltaStream, Engine
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.events import EventPlane
-from orchestrator.runtime.hashing import block_hashes
+from orchestrator.runtime.hashing import block_hashes, prompt_block_names
 from orchestrator.runtime.kv_transfer import host_id
 from orchestrator.runtime.kv_transfer_client import pull_kv
 from orchestrator.runtime.kv_transfer_server import DEFAULT_HOLD_S, KvTransferServer
@@ -295,9 +295,16 @@ class WorkerHost:
             raise EngineError("invalid_request", "block_hashes do not match the request's tokens")
         request.block_hashes = hashes
         # A decode pulls at most the transfer's blocks: they must be this request's own
-        # prompt blocks, which also bounds how much a forged descriptor can make it pull.
+        # prompt blocks (the last may be its partial one), which also bounds how much a forged
+        # descriptor can make it pull.
         transfer = request.kv_transfer
-        if transfer is not None and transfer.block_hashes != hashes[: len(transfer.block_hashes)]:
+        if (
+            transfer is not None
+            and transfer.block_hashes
+            != prompt_block_names(request.token_ids, card.block_size, request.cache_salt)[
+                : len(transfer.block_hashes)
+            ]
+        ):
             raise EngineError(
                 "invalid_request", "kv_transfer.block_hashes are not the request's prompt blocks"
             )

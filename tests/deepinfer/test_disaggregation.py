@@ -1,8 +1,8 @@
 """Disaggregation on DeepInfer's engines: a prefill-only request on one engine, then its decode
 on another engine that loads the prompt's KV from the first one's records instead of computing
-it. Greedy output is token-identical to one engine serving the request whole; records that are
-missing, damaged or of another layout are computed instead; held blocks survive eviction
-pressure until released."""
+it, its partial last block included, so that its first step is a decode step. Greedy output is
+token-identical to one engine serving the request whole; records that are missing, damaged or
+of another layout are computed instead; held blocks survive eviction pressure until released."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 from backends.deepinfer.config import EngineConfig
 from backends.deepinfer.engine import Engine
 from kvbm import records
+from orchestrator.runtime.hashing import prompt_block_names, tail_hash
 from orchestrator.runtime.protocol import KvTransfer, SamplingOptions, WorkerRequest
 
 BLOCK = 16
@@ -50,8 +51,8 @@ def disaggregated(
     prefill: Engine, decode: Engine, tokens: list[int], max_tokens: int, damage: int | None = None
 ) -> tuple[list[int], KvTransfer, int]:
     """Prefill on one engine, decode on the other: every generated token, the transfer, and
-    how many prompt blocks the decode engine loaded instead of computing. `damage`: flip the
-    last byte of that record on the way."""
+    how many tokens the decode engine's first step computed (1 when the whole prompt arrived).
+    `damage`: flip the last byte of that record on the way."""
     first = run(prefill, request("r", tokens, max_tokens, prefill_only=True))
     assert len(first) == 1
     transfer = prefill.transfer("r")
@@ -70,9 +71,7 @@ def disaggregated(
             rest += [t.token_id for t in o.new_tokens]
         computed.append(decode.last_step_tokens)
     prefill.release_transfer("r")
-    loaded_tokens = len(tokens) + len(first) - computed[0]
-    assert loaded_tokens % BLOCK == 0
-    return first + rest, transfer, loaded_tokens // BLOCK
+    return first + rest, transfer, computed[0]
 
 
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
@@ -82,18 +81,20 @@ def test_prefill_then_decode_elsewhere_equals_one_engine(
     model_dir = tiny_llama_dir if arch == "llama" else tiny_deepseek_dir
     tokens = prompt(5 * BLOCK + 7)
     whole = run(make_engine(model_dir), request("w", tokens, 12))
-    got, transfer, loaded = disaggregated(make_engine(model_dir), make_engine(model_dir), tokens, 12)
+    got, transfer, computed = disaggregated(make_engine(model_dir), make_engine(model_dir), tokens, 12)
     assert got == whole
-    assert len(transfer.block_hashes) == 5 and loaded == 5  # every full prompt block came over
+    assert len(transfer.block_hashes) == 6  # five full blocks and the partial one
+    assert computed == 1  # the whole prompt came over: the first step decodes the first token
 
 
 def test_a_damaged_or_foreign_record_is_computed_instead(tiny_llama_dir: Path, tiny_qwen2_dir: Path) -> None:
     tokens = prompt(4 * BLOCK + 3, seed=1)
     whole = run(make_engine(tiny_llama_dir), request("w", tokens, 8))
-    got, _, loaded = disaggregated(
+    got, _, computed = disaggregated(
         make_engine(tiny_llama_dir), make_engine(tiny_llama_dir), tokens, 8, damage=2
     )
-    assert got == whole and loaded == 2  # the blocks before the damaged one, and nothing after
+    # The blocks before the damaged one came over; the rest of the prompt was computed.
+    assert got == whole and computed == len(tokens) + 1 - 2 * BLOCK
     # Another model's records never load, whatever their hashes claim.
     prefill = make_engine(tiny_qwen2_dir)
     run(prefill, request("q", tokens, 8, prefill_only=True))
@@ -109,24 +110,28 @@ def test_held_blocks_outlive_eviction_pressure_until_released(tiny_llama_dir: Pa
     tokens = prompt(3 * BLOCK + 1, seed=2)
     run(engine, request("p", tokens, 4, prefill_only=True))
     sent = engine.read_transfer("p")
-    assert sent is not None and len(sent) == 3
+    assert sent is not None and len(sent) == 4  # three full blocks and the one-token tail
     held = engine.scheduler.held["p"]
-    # Prompts that need every other block of the cache: the held three must stay untouched.
+    assert held.tail_tokens == 1
+    # Prompts that need every other block of the cache: the held four must stay untouched.
     for i in range(4):
-        run(engine, request(f"x{i}", prompt(60 * BLOCK - 8, seed=10 + i), 2))
+        run(engine, request(f"x{i}", prompt(59 * BLOCK - 8, seed=10 + i), 2))
     assert engine.read_transfer("p") == sent
-    assert all(engine.scheduler.kv_cache.pool.blocks[b].ref_count == 1 for b, _ in held)
+    pool = engine.scheduler.kv_cache.pool
+    assert all(pool.blocks[b].ref_count == 1 for b, _ in held.blocks)
     engine.release_transfer("p")
     assert engine.read_transfer("p") is None and engine.transfer("p") is None
-    assert all(engine.scheduler.kv_cache.pool.blocks[b].ref_count == 0 for b, _ in held)
+    assert all(pool.blocks[b].ref_count == 0 for b, _ in held.blocks)
     engine.release_transfer("p")  # twice, or unknown: nothing happens
 
 
-def test_a_prompt_shorter_than_a_block_offers_nothing(tiny_llama_dir: Path) -> None:
-    engine = make_engine(tiny_llama_dir)
-    first = run(engine, request("s", prompt(BLOCK - 1), 9, prefill_only=True))
-    assert len(first) == 1
-    assert engine.transfer("s") is None and engine.read_transfer("s") is None
+def test_a_prompt_shorter_than_a_block_comes_over_whole(tiny_llama_dir: Path) -> None:
+    tokens = prompt(BLOCK - 3, seed=4)
+    whole = run(make_engine(tiny_llama_dir), request("w", tokens, 9))
+    got, transfer, computed = disaggregated(
+        make_engine(tiny_llama_dir), make_engine(tiny_llama_dir), tokens, 9
+    )
+    assert got == whole and len(transfer.block_hashes) == 1 and computed == 1
 
 
 def test_records_name_their_blocks(tiny_llama_dir: Path) -> None:
@@ -135,6 +140,9 @@ def test_records_name_their_blocks(tiny_llama_dir: Path) -> None:
     transfer = engine.transfer("n")
     sent = engine.read_transfer("n")
     assert transfer is not None and sent is not None
+    # Named as the prompt's blocks: their hashes, then the partial block's tail hash.
+    assert transfer.block_hashes == prompt_block_names(prompt(2 * BLOCK + 5), BLOCK)
+    assert transfer.block_hashes[-1] == tail_hash(prompt(2 * BLOCK + 5), BLOCK)
     for seq_hash, record in zip(transfer.block_hashes, sent, strict=True):
         payload = records.decode(record, seq_hash, engine.layout)
         assert payload is not None and len(payload) == transfer.block_bytes
@@ -143,5 +151,5 @@ def test_records_name_their_blocks(tiny_llama_dir: Path) -> None:
 def test_smollm2_disaggregated_equals_aggregated(smollm2_dir: Path) -> None:
     tokens = prompt(3 * BLOCK + 9, seed=3)
     whole = run(make_engine(smollm2_dir), request("w", tokens, 10))
-    got, _, loaded = disaggregated(make_engine(smollm2_dir), make_engine(smollm2_dir), tokens, 10)
-    assert got == whole and loaded == 3
+    got, _, computed = disaggregated(make_engine(smollm2_dir), make_engine(smollm2_dir), tokens, 10)
+    assert got == whole and computed == 1

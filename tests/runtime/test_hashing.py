@@ -7,7 +7,7 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from orchestrator.runtime.hashing import ROOT_SEED, block_hashes, root_hash
+from orchestrator.runtime.hashing import ROOT_SEED, block_hashes, prompt_block_names, root_hash, tail_hash
 
 # Fixed vectors: any change here breaks cache compatibility between engine, router and KVBM.
 VECTORS = [
@@ -66,3 +66,17 @@ def test_salt_separates_chains_and_empty_salt_is_none() -> None:
 def test_rejects_bad_block_size() -> None:
     with pytest.raises(ValueError, match="block_size"):
         block_hashes([1, 2], 0)
+
+
+def test_a_partial_block_is_named_apart_from_every_full_one() -> None:
+    tokens = list(range(40))
+    full = block_hashes(tokens, 16)
+    tail = tail_hash(tokens, 16)
+    assert tail is not None and tail not in full
+    assert tail == tail_hash(tokens, 16)  # deterministic, and a function of the whole prefix
+    assert tail != tail_hash([1, *tokens[1:]], 16) and tail != tail_hash(tokens[:39], 16)
+    assert tail != tail_hash(tokens, 16, salt="tenant-b")
+    assert tail_hash(tokens[:32], 16) is None  # no partial block
+    assert tail_hash(tokens[:5], 16) is not None  # a prompt shorter than a block is all tail
+    assert prompt_block_names(tokens, 16) == [*full, tail]
+    assert prompt_block_names(tokens[:32], 16) == full

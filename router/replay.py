@@ -20,7 +20,7 @@ import statistics
 import sys
 from array import array
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -110,7 +110,9 @@ class TraceTokens:
 
 @dataclass(slots=True)
 class RequestRecord:
-    """One replayed request's timeline (milliseconds on the driver's clock)."""
+    """One replayed request's timeline (milliseconds on the driver's clock). `gaps`: the time
+    between each output and the one before it, per token (an output of k tokens is k gaps of
+    a k-th of its wait), so they pool into the inter-token latency."""
 
     arrival_ms: float
     worker_id: str = ""
@@ -120,6 +122,27 @@ class RequestRecord:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    gaps: list[float] = field(default_factory=list)
+    last_token_ms: float | None = None
+
+    def emitted(self, now_ms: float, num_tokens: int) -> None:
+        """An output of `num_tokens` tokens at `now_ms`."""
+        if not num_tokens:
+            return
+        if self.last_token_ms is None:
+            self.first_token_ms = now_ms
+            num_tokens -= 1
+            self.output_tokens += 1
+        if num_tokens:
+            self.gaps += [(now_ms - (self.last_token_ms or now_ms)) / num_tokens] * num_tokens
+            self.output_tokens += num_tokens
+        self.last_token_ms = now_ms
+
+    @property
+    def tpot_ms(self) -> float | None:
+        if self.first_token_ms is None or self.finish_ms is None or self.output_tokens < 2:
+            return None
+        return (self.finish_ms - self.first_token_ms) / (self.output_tokens - 1)
 
 
 @dataclass(slots=True)
@@ -135,15 +158,17 @@ def _pct(values: Sequence[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1)], 2)
 
 
-def summarize(records: Sequence[RequestRecord], label: str) -> Summary:
+def summarize(
+    records: Sequence[RequestRecord], label: str, slo: Mapping[str, float] | None = None
+) -> Summary:
+    """The figures, with weir bench's conventions: TTFT, TPOT per request ((e2e - TTFT) /
+    (output tokens - 1)), ITL pooled over every token's gap, E2E. `slo`: targets in ms for
+    any of "ttft", "tpot", "e2e"; goodput is the completed requests per second that met all."""
     done = [r for r in records if r.finish_ms is not None and r.error is None]
     ttft = [r.first_token_ms - r.arrival_ms for r in done if r.first_token_ms is not None]
     e2e = [r.finish_ms - r.arrival_ms for r in done if r.finish_ms is not None]
-    itl = [
-        (r.finish_ms - r.first_token_ms) / (r.output_tokens - 1)
-        for r in done
-        if r.first_token_ms is not None and r.finish_ms is not None and r.output_tokens > 1
-    ]
+    tpot = [t for r in done if (t := r.tpot_ms) is not None]
+    itl = [gap for r in done for gap in r.gaps]
     prompt = sum(r.prompt_tokens for r in done)
     span_s = (
         (max((r.finish_ms or 0.0) for r in done) - min(r.arrival_ms for r in records)) / 1e3 if done else 0.0
@@ -155,11 +180,15 @@ def summarize(records: Sequence[RequestRecord], label: str) -> Summary:
     }
     figures["failed"] = len(records) - len(done)
     figures["hit_rate"] = round(sum(r.cached_tokens for r in done) / prompt, 4) if prompt else 0.0
-    for name, values in (("ttft", ttft), ("itl", itl), ("e2e", e2e)):
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
         figures[f"{name}_mean_ms"] = round(statistics.fmean(values), 2) if values else None
         for q in (50, 90, 99):
             figures[f"{name}_p{q}_ms"] = _pct(values, q)
     figures["requests_per_s"] = round(len(done) / span_s, 3) if span_s else 0.0
+    if slo is not None:
+        good = sum(1 for r in done if _meets(r, slo))
+        figures["goodput"] = round(good / span_s, 3) if span_s else 0.0
+        figures["good_fraction"] = round(good / len(records), 4) if records else 0.0
     figures["output_tokens_per_s"] = round(sum(r.output_tokens for r in done) / span_s, 1) if span_s else 0.0
     per_worker = Counter(r.worker_id for r in records if r.worker_id)
     if per_worker:
@@ -170,6 +199,16 @@ def summarize(records: Sequence[RequestRecord], label: str) -> Summary:
     return Summary(figures, dict(sorted(per_worker.items())))
 
 
+def _meets(record: RequestRecord, slo: Mapping[str, float]) -> bool:
+    assert record.finish_ms is not None
+    measured = {
+        "ttft": None if record.first_token_ms is None else record.first_token_ms - record.arrival_ms,
+        "tpot": record.tpot_ms,
+        "e2e": record.finish_ms - record.arrival_ms,
+    }
+    return all((value := measured[name]) is None or value <= target for name, target in slo.items())
+
+
 def report(summary: Summary, output: str | None = None) -> None:
     """Human table on stdout, then the figures as one JSON line (also written to `output`)."""
     f = summary.figures
@@ -177,7 +216,7 @@ def report(summary: Summary, output: str | None = None) -> None:
         f"router {f['router']}: {f['completed']}/{f['requests']} requests completed, hit rate {f['hit_rate']}"
     )
     print(f"{'':6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}  (ms)")
-    for name in ("ttft", "itl", "e2e"):
+    for name in ("ttft", "tpot", "itl", "e2e"):
         row = "".join(_cell(f[f"{name}_{k}_ms"]) for k in ("mean", "p50", "p90", "p99"))
         print(f"{name.upper():6}{row}")
     print(f"throughput: {f['requests_per_s']} requests/s, {f['output_tokens_per_s']} output tokens/s")

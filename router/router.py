@@ -18,6 +18,7 @@ from typing import Any
 from orchestrator.runtime.protocol import KvEventBatch, KvSnapshot, LoadReport
 from router.approx import ApproxIndexer
 from router.cost import CostParams
+from router.disagg import Candidate, best_candidate
 from router.indexer import KvIndexer
 from router.load import LoadTracker
 from router.metrics import RouterMetrics, default_metrics
@@ -177,6 +178,14 @@ class Router:
                 decision.cost,
             )
         return decision
+
+    def candidate(self, request: RouteRequest, skip: Collection[str] = ()) -> Candidate | None:
+        """The best worker for `request` by predicted prefill work (`router.disagg`), less
+        `skip` and draining workers, deciding nothing: no load is counted, no index learns."""
+        hits = self.index.find_matches(request.block_hashes).blocks if self.index is not None else {}
+        if self.loads.draining:
+            skip = {*skip, *self.loads.draining}
+        return best_candidate(request.num_tokens, self.block_size, hits, self.workers, skip)
 
     def on_finish(self, worker_id: str, request_id: str | None = None) -> None:
         """A request ended. Pass its id so its exact blocks are released; without one the

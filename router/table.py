@@ -37,7 +37,7 @@ from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.events import EventPlane
 from orchestrator.runtime.protocol import Instance, KvSnapshot, ModelCard
 from orchestrator.runtime.request_plane import RequestPlaneClient, WorkerClient
-from router.disagg import Candidate, best_candidate
+from router.disagg import Candidate
 from router.protocols import Decision, NoWorkerAvailable, RouteRequest
 from router.remote import RemoteRouter
 from router.router import Router
@@ -112,11 +112,7 @@ class ModelRoutes:
         """This pool's best worker for `request` by predicted prefill work (`router.disagg`),
         deciding nothing: no load is counted, no index learns. Draining workers and those whose
         breaker is open are left out."""
-        router = self.router
-        hits = router.index.find_matches(request.block_hashes).blocks if router.index is not None else {}
-        return best_candidate(
-            request.num_tokens, router.block_size, hits, router.workers, self._unavailable()
-        )
+        return self.router.candidate(request, self._unavailable())
 
     def decode_ready(self) -> bool:
         """Some decode worker can take a handover now."""

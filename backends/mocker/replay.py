@@ -7,6 +7,13 @@ step produced (tokens, KV events, a load report) becomes visible when the step e
 events reach the router `kv_event_delay_ms` later, as they would over the event plane.
 Nothing sleeps, so an hour of traffic replays in seconds.
 
+Disaggregation (`prefill_router` and `num_prefill_workers`): a second pool of mockers takes
+the prefills the policy (`router.disagg`, the frontend's own) sends there, as the frontend's
+two-phase dispatch does: the prefill-only request's first token, then the decode on a worker
+of the main pool once the KV's bytes crossed at `transfer_bandwidth_gbps` (the prefill's
+blocks are held until then). The main pool's workers are then the decode role, and take
+whole requests when the policy keeps one aggregated.
+
 It lives with the mocker rather than in `router/` because it runs engines: the router
 package stays below the backends and imports none of them.
 """
@@ -21,15 +28,17 @@ from itertools import count
 from msgspec.structs import replace
 
 from backends.mocker.config import MockerConfig
-from backends.mocker.core import MockerCore, StepResult
+from backends.mocker.core import MockerCore, RequestOutput, StepResult
+from kvbm.records import Payload
 from kvbm.stores import HostStore
 from orchestrator.runtime.hashing import block_hashes
-from orchestrator.runtime.protocol import KvEventBatch, WorkerRequest
+from orchestrator.runtime.protocol import KvEventBatch, KvTransfer, WorkerRequest
+from router.disagg import DisaggPolicy
 from router.protocols import RouteRequest
 from router.replay import RequestRecord, TraceRequest, TraceTokens
 from router.router import Router
 
-_ARRIVAL, _STEP_DONE, _KV_EVENTS = 0, 1, 2
+_ARRIVAL, _STEP_DONE, _KV_EVENTS, _HANDOVER = 0, 1, 2, 3
 
 
 class VirtualClock:
@@ -46,7 +55,19 @@ class VirtualClock:
 class _Worker:
     worker_id: str
     core: MockerCore
+    router: Router  # its pool's
     busy: bool = False
+
+
+@dataclass(slots=True)
+class _Handover:
+    """A prefilled request on its way to a decode worker."""
+
+    prefill: _Worker
+    decode: _Worker
+    request: WorkerRequest
+    transfer: KvTransfer | None
+    records: list[bytes]
 
 
 class OfflineReplay:
@@ -59,21 +80,39 @@ class OfflineReplay:
         kv_event_delay_ms: float = 0.0,
         clock: VirtualClock | None = None,
         shared_cache_blocks: int = 0,
+        prefill_router: Router | None = None,
+        num_prefill_workers: int = 0,
+        disagg: DisaggPolicy | None = None,
     ) -> None:
         if num_workers <= 0:
             raise ValueError("num_workers must be positive")
+        if (prefill_router is None) != (num_prefill_workers == 0):
+            raise ValueError("a prefill pool needs both its router and its workers")
         self.router = router
+        self.prefill_router = prefill_router
+        self.disagg = disagg or DisaggPolicy()
         self.config = config
         self.tokens = tokens
         self.kv_event_delay_ms = kv_event_delay_ms
         self.clock = clock or VirtualClock()
         # One G4 for all workers, as one Redis serves a model's workers.
         shared = HostStore(shared_cache_blocks, 0, tier="remote") if shared_cache_blocks else None
-        self.workers = [_Worker(f"mocker-{i}", MockerCore(config, shared)) for i in range(num_workers)]
+        name = "decode" if prefill_router is not None else "mocker"
+        self.workers = [
+            _Worker(f"{name}-{i}", MockerCore(config, shared), router) for i in range(num_workers)
+        ]
+        self.prefill_workers = [
+            _Worker(f"prefill-{i}", MockerCore(config, shared), prefill_router)
+            for i in range(num_prefill_workers)
+            if prefill_router is not None
+        ]
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = count()
-        self._by_id = {w.worker_id: w for w in self.workers}
+        self._by_id = {w.worker_id: w for w in (*self.workers, *self.prefill_workers)}
         self._records: dict[str, RequestRecord] = {}
+        self._prefilling: dict[str, WorkerRequest] = {}  # request id -> its decode, once prefilled
+        self._handed_over: set[str] = set()  # decodes whose prompt's cache hits were the prefill's
+        self.disaggregated = 0  # requests whose prefill ran on the prefill pool
         self._on_finish: Callable[[RequestRecord], None] | None = None
 
     def run(
@@ -81,9 +120,9 @@ class OfflineReplay:
     ) -> list[RequestRecord]:
         """Replay `trace`; `on_finish` hears of each request once, when it finishes or fails."""
         self._on_finish = on_finish
-        for w in self.workers:
-            self.router.add_worker(w.worker_id, total_blocks=self.config.num_blocks)
-            self.router.apply_kv_snapshot(replace(w.core.kv_snapshot(), worker_id=w.worker_id))
+        for w in (*self.workers, *self.prefill_workers):
+            w.router.add_worker(w.worker_id, total_blocks=self.config.num_blocks)
+            w.router.apply_kv_snapshot(replace(w.core.kv_snapshot(), worker_id=w.worker_id))
         start = trace[0].timestamp_ms if trace else 0.0
         for request in trace:
             self._push(request.timestamp_ms - start, _ARRIVAL, request)
@@ -96,6 +135,9 @@ class OfflineReplay:
             elif kind == _STEP_DONE:
                 assert isinstance(payload, tuple)
                 self._step_done(now, *payload)
+            elif kind == _HANDOVER:
+                assert isinstance(payload, _Handover)
+                self._hand_over(now, payload)
             else:
                 assert isinstance(payload, list)
                 for batch in payload:
@@ -111,9 +153,7 @@ class OfflineReplay:
         self._records[request_id] = record
         tokens = self.tokens.prompt(request)
         hashes = block_hashes(tokens, self.config.block_size)
-        decision = self.router.select(RouteRequest(request_id, len(tokens), hashes))
-        worker = self._by_id[decision.worker_id]
-        record.worker_id = worker.worker_id
+        route = RouteRequest(request_id, len(tokens), hashes)
         work = WorkerRequest(
             request_id=request_id,
             token_ids=tokens,
@@ -121,11 +161,33 @@ class OfflineReplay:
             block_hashes=hashes,
             ignore_eos=True,
         )
+        router = self.router
+        if self.prefill_router is not None and request.output_length > 1:
+            choice = self.disagg.decide(router.candidate(route), self.prefill_router.candidate(route), True)
+            if choice.disaggregate:
+                router = self.prefill_router
+                self._prefilling[request_id] = work
+                work = replace(work, prefill_only=True)
+                self.disaggregated += 1
+        worker = self._by_id[router.select(route).worker_id]
+        record.worker_id = worker.worker_id
+        self._submit(now, worker, work, record)
+
+    def _submit(
+        self,
+        now: float,
+        worker: _Worker,
+        work: WorkerRequest,
+        record: RequestRecord,
+        arrived: dict[int, Payload] | None = None,
+    ) -> None:
         try:
-            worker.core.add(work)
+            worker.core.add(work, arrived)
         except ValueError as exc:
             record.error = str(exc)
-            self.router.on_finish(worker.worker_id, request_id)
+            self._prefilling.pop(work.request_id, None)
+            self._handed_over.discard(work.request_id)
+            worker.router.on_finish(worker.worker_id, work.request_id)
             if self._on_finish is not None:
                 self._on_finish(record)
             return
@@ -143,16 +205,20 @@ class OfflineReplay:
     def _step_done(self, now: float, worker: _Worker, result: StepResult) -> None:
         for out in result.outputs:
             record = self._records[out.request_id]
-            if out.token_ids and record.first_token_ms is None:
-                record.first_token_ms = now
-            record.output_tokens += len(out.token_ids)
-            if out.finish_reason is not None:
-                record.finish_ms = now
-                if out.usage is not None:
-                    record.cached_tokens = out.usage.cached_tokens
-                self.router.on_finish(worker.worker_id, out.request_id)
-                if self._on_finish is not None:
-                    self._on_finish(record)
+            record.emitted(now, len(out.token_ids))
+            if out.finish_reason is None:
+                continue
+            worker.router.on_finish(worker.worker_id, out.request_id)
+            decode = self._prefilling.pop(out.request_id, None)
+            if decode is not None and out.finish_reason == "length":
+                self._prefilled(now, worker, decode, out)
+                continue
+            record.finish_ms = now
+            if out.usage is not None and out.request_id not in self._handed_over:
+                record.cached_tokens = out.usage.cached_tokens
+            self._handed_over.discard(out.request_id)
+            if self._on_finish is not None:
+                self._on_finish(record)
         batches = [replace(b, worker_id=worker.worker_id) for b in worker.core.take_kv_events()]
         if batches:
             if self.kv_event_delay_ms > 0:
@@ -160,14 +226,41 @@ class OfflineReplay:
             else:
                 for batch in batches:
                     self._deliver(batch)
-        self.router.apply_load(replace(worker.core.load(), worker_id=worker.worker_id))
+        worker.router.apply_load(replace(worker.core.load(), worker_id=worker.worker_id))
         if worker.core.has_work():
             self._start_step(now, worker)
         else:
             worker.busy = False
 
+    def _prefilled(self, now: float, prefill: _Worker, decode: WorkerRequest, out: RequestOutput) -> None:
+        """The prefill's first token is out: the decode goes to a worker of the main pool, and
+        starts there when the prompt's KV has crossed."""
+        record = self._records[decode.request_id]
+        if out.usage is not None:
+            record.cached_tokens = out.usage.cached_tokens
+        self._handed_over.add(decode.request_id)
+        tokens = [*decode.token_ids, *out.token_ids]
+        hashes = block_hashes(tokens, self.config.block_size)
+        decode = replace(
+            decode, generated_token_ids=out.token_ids, block_hashes=hashes, kv_transfer=out.kv_transfer
+        )
+        worker = self._by_id[
+            self.router.select(RouteRequest(decode.request_id, len(tokens), hashes)).worker_id
+        ]
+        records = prefill.core.read_transfer(decode.request_id) or []
+        handover = _Handover(prefill, worker, decode, out.kv_transfer, records)
+        self._push(now + worker.core.transfer_ms(len(records)), _HANDOVER, handover)
+
+    def _hand_over(self, now: float, handover: _Handover) -> None:
+        handover.prefill.core.release_transfer(handover.request.request_id)
+        decode = handover.decode
+        arrived = None
+        if handover.transfer is not None:
+            arrived = decode.core.check_arrived(handover.transfer, handover.records)
+        self._submit(now, decode, handover.request, self._records[handover.request.request_id], arrived)
+
     def _deliver(self, batch: KvEventBatch) -> None:
-        if self.router.apply_kv_batch(batch):
+        worker = self._by_id[batch.worker_id]
+        if worker.router.apply_kv_batch(batch):
             # A gap cannot happen in-process; if it ever does, resync as a subscriber would.
-            worker = self._by_id[batch.worker_id]
-            self.router.apply_kv_snapshot(replace(worker.core.kv_snapshot(), worker_id=batch.worker_id))
+            worker.router.apply_kv_snapshot(replace(worker.core.kv_snapshot(), worker_id=batch.worker_id))

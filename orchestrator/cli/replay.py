@@ -1,9 +1,11 @@
 """`weir replay TRACE.jsonl`: replay a Mooncake-format trace.
 
 Offline (the default): the real router against `--workers` mocker engines in virtual time,
-so a 4,000-request trace takes seconds; it prints TTFT, inter-token and end-to-end latency
-percentiles, throughput, prefix hit rate and the per-worker spread, then one JSON line of the
-figures. Online (`--url`): weir bench's trace workload against a running server, the trace's
+so a 4,000-request trace takes seconds; it prints TTFT, time per output token, inter-token
+and end-to-end latency percentiles, throughput, prefix hit rate and the per-worker spread
+(and goodput, with `--slo`), then one JSON line of the figures. `--prefill-workers P
+--decode-workers D` replays disaggregated serving instead, with the frontend's own decision
+(`--disaggregation`). Online (`--url`): weir bench's trace workload against a running server, the trace's
 requests sent in real time (divided by `--trace-speedup`), with bench's table and JSON line.
 """
 
@@ -17,6 +19,8 @@ from collections.abc import Callable
 
 from orchestrator.cli.options import add_old_spelling, add_router_arguments, router_params
 from orchestrator.runtime.progress import progress_bar
+from router.disagg import MODES as DISAGG_MODES
+from router.disagg import DisaggPolicy
 from router.replay import RequestRecord, TraceRequest, TraceTokens, read_trace, report, summarize
 from router.router import MODES
 
@@ -47,7 +51,25 @@ def register(parser: argparse.ArgumentParser) -> None:
         "--trace-speedup", type=float, default=1.0, help="online: divide trace time by this (default 1)"
     )
     parser.add_argument("--workers", type=int, default=8, help="offline: mocker workers (default 8)")
-    add_router_arguments(parser, MODES[:4], "kv", default_seed=0)
+    routing = add_router_arguments(parser, MODES[:4], "kv", default_seed=0)
+    disagg = parser.add_argument_group(
+        "offline: disaggregated prefill and decode pools, in place of --workers"
+    )
+    disagg.add_argument("--prefill-workers", type=int, default=0, help="prefill mockers (default 0)")
+    disagg.add_argument("--decode-workers", type=int, default=0, help="decode mockers (default 0)")
+    routing.add_argument(
+        "--disaggregation",
+        choices=DISAGG_MODES,
+        default="adaptive",
+        help="offline, with prefill and decode pools: send a prefill to the prefill pool never, "
+        "always, or when it pays, as the frontend decides (default adaptive)",
+    )
+    parser.add_argument(
+        "--slo",
+        type=_slo,
+        metavar="ttft=MS,tpot=MS,e2e=MS",
+        help="offline: targets for goodput (requests per second that met all of them), any subset",
+    )
     parser.add_argument("--kv-event-delay-ms", type=float, default=0.0, help="offline: KV event latency (ms)")
     parser.add_argument("--block-size", type=int, default=64, help="tokens per engine KV block (default 64)")
     parser.add_argument(
@@ -79,10 +101,27 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run)
 
 
+def _slo(text: str) -> dict[str, float]:
+    """`ttft=500,tpot=50` -> {"ttft": 500.0, "tpot": 50.0}, as weir bench reads --slo."""
+    from orchestrator.bench.stats import Slo  # numpy: only for a command line that asks
+
+    try:
+        slo = Slo.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    targets = {"ttft": slo.ttft_ms, "tpot": slo.tpot_ms, "e2e": slo.e2e_ms}
+    return {name: ms for name, ms in targets.items() if ms is not None}
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.url:
         return _online(args)
+    if (args.prefill_workers > 0) != (args.decode_workers > 0) or min(
+        args.prefill_workers, args.decode_workers
+    ) < 0:
+        sys.stderr.write("weir replay: --prefill-workers and --decode-workers go together, each at least 1\n")
+        return 2
     if args.trace_block_size % args.block_size:
         size, trace_size = args.block_size, args.trace_block_size
         sys.stderr.write(f"weir replay: --block-size {size} must divide --trace-block-size {trace_size}\n")
@@ -105,10 +144,14 @@ def run(args: argparse.Namespace) -> int:
         def finished(_: RequestRecord) -> None:
             bar.update()
 
-        records = _offline(args, trace, tokens, finished)
+        records, disaggregated = _offline(args, trace, tokens, finished)
     label = args.router_mode if args.router_mode != "kv" or not args.no_kv_events else "kv-approx"
     print(f"replayed {len(trace)} requests in {time.perf_counter() - started:.1f} s wall", file=sys.stderr)
-    report(summarize(records, label), args.output_file)
+    summary = summarize(records, label, args.slo)
+    if args.prefill_workers:
+        summary.figures["disaggregation"] = args.disaggregation
+        summary.figures["disaggregated_share"] = round(disaggregated / len(trace), 4)
+    report(summary, args.output_file)
     return 0
 
 
@@ -136,7 +179,8 @@ def _offline(
     trace: list[TraceRequest],
     tokens: TraceTokens,
     on_finish: Callable[[RequestRecord], None],
-) -> list[RequestRecord]:
+) -> tuple[list[RequestRecord], int]:
+    """The records, and how many requests had their prefill on the prefill pool."""
     from backends.mocker.config import MockerConfig
     from backends.mocker.replay import OfflineReplay, VirtualClock
     from router.router import make_router
@@ -154,7 +198,20 @@ def _offline(
     )
     if args.kv_bytes_per_token is not None:
         config.kv_bytes_per_token = args.kv_bytes_per_token
+    prefill_router = None
+    if args.prefill_workers:
+        prefill_router = make_router(args.router_mode, args.block_size, clock=clock, **router_params(args))
     replay = OfflineReplay(
-        router, config, args.workers, tokens, args.kv_event_delay_ms, clock, args.shared_cache_blocks
+        router,
+        config,
+        args.decode_workers or args.workers,
+        tokens,
+        args.kv_event_delay_ms,
+        clock,
+        args.shared_cache_blocks,
+        prefill_router,
+        args.prefill_workers,
+        DisaggPolicy(args.disaggregation),
     )
-    return replay.run(trace, on_finish)
+    records = replay.run(trace, on_finish)
+    return records, replay.disaggregated

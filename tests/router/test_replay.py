@@ -66,9 +66,55 @@ def test_summary_figures() -> None:
     assert f["completed"] == 2 and f["failed"] == 1
     assert f["hit_rate"] == 0.25  # 500 cached of 2000 prompt tokens
     assert f["ttft_mean_ms"] == 150.0 and f["ttft_p99_ms"] == 200.0
-    assert f["itl_mean_ms"] == pytest.approx((900 / 9 + 800 / 4) / 2, abs=0.01)
+    assert f["tpot_mean_ms"] == pytest.approx((900 / 9 + 800 / 4) / 2, abs=0.01)
     assert f["requests_per_s"] == pytest.approx(2 / 1.5, abs=1e-3)
     assert (f["worker_requests_min"], f["worker_requests_max"]) == (1, 2)
+
+
+def test_itl_pools_every_gap_tpot_is_per_request_and_goodput_counts_requests_meeting_the_slo() -> None:
+    fast = RequestRecord(0, "w0", prompt_tokens=10)
+    for t in (100, 110, 120, 130):  # first token at 100 ms, then one every 10 ms
+        fast.emitted(t, 1)
+    fast.finish_ms = 130
+    slow = RequestRecord(0, "w1", prompt_tokens=10)
+    slow.emitted(50, 1)
+    slow.emitted(250, 2)  # two tokens in one output: two gaps of 100 ms
+    slow.finish_ms = 250
+    assert fast.gaps == [10, 10, 10] and slow.gaps == [100, 100]
+    f = summarize([fast, slow], "kv", {"ttft": 80, "tpot": 50}).figures
+    assert f["tpot_mean_ms"] == pytest.approx((10 + 100) / 2)
+    assert f["itl_p50_ms"] == 10 and f["itl_p99_ms"] == 100  # 5 gaps pooled
+    # Neither meets both targets (fast: TTFT 100 > 80; slow: TPOT 100 > 50).
+    assert f["goodput"] == 0.0 and f["good_fraction"] == 0.0
+    f = summarize([fast, slow], "kv", {"tpot": 50}).figures
+    assert f["good_fraction"] == 0.5 and f["goodput"] == pytest.approx(1 / 0.25)
+
+
+@pytest.mark.skipif(not SHARED_TRACE.exists(), reason=f"the shared trace is not at {SHARED_TRACE}")
+def test_offline_replay_of_disaggregated_pools(capsys: pytest.CaptureFixture[str]) -> None:
+    common = [
+        str(SHARED_TRACE),
+        "--max-requests",
+        "200",
+        "--num-blocks",
+        "8192",
+        "--slo",
+        "ttft=2000,tpot=50",
+    ]
+    pools = ["--prefill-workers", "2", "--decode-workers", "2"]
+    whole, _ = replay_json(capsys, *common, "--workers", "4")
+    always, _ = replay_json(capsys, *common, *pools, "--disaggregation", "always")
+    never, _ = replay_json(capsys, *common, *pools, "--disaggregation", "never")
+    adaptive, _ = replay_json(capsys, *common, *pools)
+    assert whole["completed"] == always["completed"] == never["completed"] == adaptive["completed"] == 200
+    assert always["disaggregated_share"] == 1.0 and never["disaggregated_share"] == 0.0
+    assert adaptive["disaggregation"] == "adaptive" and 0 < adaptive["disaggregated_share"] < 1
+    assert "disaggregated_share" not in whole
+    # The prefill pool's cache hits are the requests' own: the shared trace reuses prefixes.
+    assert always["hit_rate"] > 0
+    for figures in (whole, always, never, adaptive):
+        assert isinstance(figures["goodput"], float) and figures["goodput"] > 0
+    assert weir(["replay", str(SHARED_TRACE), "--prefill-workers", "1"]) == 2  # needs decode workers too
 
 
 def replay_json(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[dict[str, float], str]:

@@ -245,7 +245,9 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        if seq.request.prefill_only and reason == "length":
+        request = seq.request
+        if request.prefill_only and reason == "length" and seq.num_completion_tokens < request.max_tokens:
+            # A decode follows (the first token ended nothing): hold the prompt's KV for it.
             self.release(seq.request_id)  # a retry of the same request replaces its hold
             self.held[seq.request_id] = self.kv_cache.hold(seq)
         self.kv_cache.deallocate(seq)

@@ -22,7 +22,7 @@ caller sees one request: the prefill's cached tokens, the decode's final usage. 
 fails before its first token falls back to the whole request on a decode or aggregated worker
 (not counted against the migration limit, which is about workers that already streamed); one
 that fails after it migrates with that token. A first token that ends the request (a stop
-token, max_tokens 1) needs no decode: the prefill worker drops the held KV when its hold ends."""
+token, max_tokens 1) needs no decode, and the prefill worker holds no KV for one."""
 
 from __future__ import annotations
 

@@ -153,3 +153,11 @@ def test_smollm2_disaggregated_equals_aggregated(smollm2_dir: Path) -> None:
     whole = run(make_engine(smollm2_dir), request("w", tokens, 10))
     got, _, computed = disaggregated(make_engine(smollm2_dir), make_engine(smollm2_dir), tokens, 10)
     assert got == whole and computed == 1
+
+
+def test_a_first_token_that_ends_the_request_holds_nothing(tiny_llama_dir: Path) -> None:
+    engine = make_engine(tiny_llama_dir)
+    first = run(engine, request("one", prompt(3 * BLOCK), 1, prefill_only=True))
+    assert len(first) == 1
+    assert engine.transfer("one") is None and engine.scheduler.held == {}
+    assert engine.scheduler.kv_cache.num_active_blocks == 0

@@ -12,9 +12,11 @@ from collections.abc import Callable, Mapping
 
 from orchestrator.cli.options import (
     add_cluster_planes,
+    add_disaggregation_arguments,
     add_log_level,
     add_plane_security,
     add_router_arguments,
+    disagg_policy,
     env_default,
     plane_security,
     router_params,
@@ -27,7 +29,6 @@ from orchestrator.runtime.discovery import Discovery, make_discovery
 from orchestrator.runtime.events import EventPlane, make_event_plane
 from orchestrator.runtime.request_plane import PlaneSecurity, WorkerClient
 from orchestrator.runtime.urls import redacted
-from router.disagg import MODES as DISAGG_MODES
 
 _DEFAULTS = FrontendConfig()
 
@@ -123,14 +124,7 @@ def add_frontend_arguments(parser: argparse.ArgumentParser, default_port: int = 
     )
     _add_admission_arguments(parser)
     routing = add_router_arguments(parser, ROUTER_MODES, _DEFAULTS.router_mode)
-    routing.add_argument(
-        "--disaggregation",
-        choices=DISAGG_MODES,
-        default=_DEFAULTS.disaggregation,
-        help="for a model with prefill and decode workers: send a request's prefill to a prefill "
-        "worker never, always, or when it pays (adaptive: a long uncached prompt and a prefill pool "
-        f"no busier than the rest) (default {_DEFAULTS.disaggregation})",
-    )
+    add_disaggregation_arguments(routing, "for a model with prefill and decode workers")
     routing.add_argument(
         "--router-address",
         default=env_default("WEIR_ROUTER_ADDRESS"),
@@ -188,7 +182,7 @@ def frontend_config(
             router_mode=args.router_mode,
             router_params=router_params(args),
             router_address=args.router_address,
-            disaggregation=args.disaggregation,
+            disaggregation=disagg_policy(args),
             request_timeout_s=args.request_timeout,
             migration_limit=args.migration_limit,
             drain_timeout_s=args.drain_timeout,

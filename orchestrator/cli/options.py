@@ -31,6 +31,8 @@ from orchestrator.runtime.request_plane.security import (
     server_tls_context,
 )
 from router.block_index import LOWER_TIERS
+from router.disagg import DEFAULT_MIN_UNCACHED_TOKENS, DisaggPolicy
+from router.disagg import MODES as DISAGG_MODES
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ENV_PREFIX = "WEIR_"
@@ -338,6 +340,35 @@ def add_router_arguments(
         + ("" if default_seed is None else f" (default {default_seed})"),
     )
     return routing
+
+
+def add_disaggregation_arguments(group: argparse._ArgumentGroup, what: str) -> None:
+    """--disaggregation and --disagg-min-uncached-tokens (`frontend`, `serve`, `replay`); `what`
+    says where the flags apply, for their help."""
+    group.add_argument(
+        "--disaggregation",
+        choices=DISAGG_MODES,
+        default="adaptive",
+        help=f"{what}: send a request's prefill to a prefill worker never, always, or when it pays "
+        "(adaptive: the prefill pool would start it no later than the whole-request workers) "
+        "(default adaptive)",
+    )
+    group.add_argument(
+        "--disagg-min-uncached-tokens",
+        type=int,
+        default=DEFAULT_MIN_UNCACHED_TOKENS,
+        metavar="N",
+        help="adaptive: keep a request whole when fewer of its prompt tokens than this are uncached "
+        f"(NVIDIA Dynamo uses 2048) (default {DEFAULT_MIN_UNCACHED_TOKENS})",
+    )
+
+
+def disagg_policy(args: argparse.Namespace) -> DisaggPolicy:
+    """The policy the disaggregation flags describe; SystemExit with the reason if they are wrong."""
+    try:
+        return DisaggPolicy(args.disaggregation, args.disagg_min_uncached_tokens)
+    except ValueError as exc:
+        raise SystemExit(f"weir: {exc}") from exc
 
 
 def tier_credits(value: str) -> dict[str, float]:

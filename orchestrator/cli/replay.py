@@ -17,10 +17,14 @@ import sys
 import time
 from collections.abc import Callable
 
-from orchestrator.cli.options import add_old_spelling, add_router_arguments, router_params
+from orchestrator.cli.options import (
+    add_disaggregation_arguments,
+    add_old_spelling,
+    add_router_arguments,
+    disagg_policy,
+    router_params,
+)
 from orchestrator.runtime.progress import progress_bar
-from router.disagg import MODES as DISAGG_MODES
-from router.disagg import DisaggPolicy
 from router.replay import RequestRecord, TraceRequest, TraceTokens, read_trace, report, summarize
 from router.router import MODES
 
@@ -57,13 +61,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     disagg.add_argument("--prefill-workers", type=int, default=0, help="prefill mockers (default 0)")
     disagg.add_argument("--decode-workers", type=int, default=0, help="decode mockers (default 0)")
-    routing.add_argument(
-        "--disaggregation",
-        choices=DISAGG_MODES,
-        default="adaptive",
-        help="offline, with prefill and decode pools: send a prefill to the prefill pool never, "
-        "always, or when it pays, as the frontend decides (default adaptive)",
-    )
+    add_disaggregation_arguments(routing, "offline, with prefill and decode pools, as the frontend decides")
     parser.add_argument(
         "--slo",
         type=_slo,
@@ -211,7 +209,7 @@ def _offline(
         args.shared_cache_blocks,
         prefill_router,
         args.prefill_workers,
-        DisaggPolicy(args.disaggregation),
+        disagg_policy(args),
     )
     records = replay.run(trace, on_finish)
     return records, replay.disaggregated

@@ -7,8 +7,7 @@ from typing import Any
 
 from orchestrator.runtime.request_plane import PlaneSecurity
 from orchestrator.runtime.request_plane.client import DEFAULT_MAX_BACKLOG_BYTES
-from router.disagg import MODES as DISAGG_MODES
-from router.disagg import Mode as DisaggMode
+from router.disagg import DisaggPolicy
 
 ROUTER_MODES = ("kv", "round-robin", "random", "least-loaded", "remote")
 # What places requests in `remote` mode while the standalone router cannot be reached.
@@ -31,7 +30,7 @@ class FrontendConfig:
     router_address: str | None = None
     # For a model with prefill and decode workers: disaggregate never, always, or when it pays
     # (router/disagg.py).
-    disaggregation: DisaggMode = "adaptive"
+    disaggregation: DisaggPolicy = field(default_factory=DisaggPolicy)
     # Wall-clock limit for one request, from arrival to its last token.
     request_timeout_s: float = 600.0
     # Bodies larger than this get 413 before they are read into memory.
@@ -79,10 +78,6 @@ class FrontendConfig:
         if self.router_mode not in ROUTER_MODES:
             raise ValueError(
                 f"unknown router mode {self.router_mode!r}; choose one of {', '.join(ROUTER_MODES)}"
-            )
-        if self.disaggregation not in DISAGG_MODES:
-            raise ValueError(
-                f"unknown disaggregation {self.disaggregation!r}; choose one of {', '.join(DISAGG_MODES)}"
             )
         if (self.router_mode == "remote") != bool(self.router_address):
             raise ValueError("router mode 'remote' and a router address go together")

@@ -66,7 +66,7 @@ class ModelRegistry(RoutingTable[ModelEntry]):
         self.events = events
         self.metrics = metrics
         self._tokenizer_cache = cache_root(config.tokenizer_cache_dir)
-        self._disagg = DisaggPolicy(config.disaggregation)
+        self._disagg = config.disaggregation
 
     def get(self, name: str) -> ModelEntry:
         entry = self.models.get(name)

@@ -124,13 +124,14 @@ def test_deepinfer_output_is_the_aggregated_output(tmp_path: Path) -> None:
 
 
 def test_never_and_adaptive(tmp_path: Path) -> None:
-    short, long = "a short question", "word " * 2100  # adaptive's threshold: 2048 uncached tokens
+    short, long = "a short question", "word " * 2100
     with serving(tmp_path, *MOCKER, *DISAGG, env={"WEIR_DISAGGREGATION": "never"}) as served:
         for prompt in (short, long):
             served.client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=3)
         assert decisions(served, DEFAULT_MODEL, "aggregated") == 2
         assert decisions(served, DEFAULT_MODEL, "disaggregated") == 0
-    with serving(tmp_path, *MOCKER, *DISAGG) as served:  # adaptive is the default
+    # adaptive is the default; with Dynamo's threshold the short prompt stays whole
+    with serving(tmp_path, *MOCKER, *DISAGG, "--disagg-min-uncached-tokens", "2048") as served:
         out = served.client.completions.create(model=DEFAULT_MODEL, prompt=short, max_tokens=3)
         assert out.usage is not None and out.usage.completion_tokens == 3
         assert decisions(served, DEFAULT_MODEL, "aggregated") == 1

@@ -18,6 +18,7 @@ import pytest
 from orchestrator.cli.worker import WithRole
 from orchestrator.runtime.engine import Engine
 from orchestrator.runtime.protocol import Role
+from router.disagg import DisaggPolicy
 from tests.cluster import metric
 from tests.frontend.live_frontend import MODEL, LiveFrontend, live_frontend, mocker_factory
 from tests.frontend.tokenizer_dirs import build_chatml
@@ -40,7 +41,9 @@ def with_roles(make: Callable[[], Engine], roles: list[Role]) -> Callable[[], En
 @pytest.fixture
 def live(model_dir: Path) -> Iterator[LiveFrontend]:
     factory = with_roles(mocker_factory(model_dir), ["prefill", "decode"])
-    with live_frontend(model_dir, num_workers=2, engine_factory=factory, disaggregation="always") as live:
+    with live_frontend(
+        model_dir, num_workers=2, engine_factory=factory, disaggregation=DisaggPolicy("always")
+    ) as live:
         yield live
 
 

@@ -11,7 +11,7 @@ import pytest
 from orchestrator.runtime.discovery import DiscoveryEvent
 from orchestrator.runtime.protocol import Instance, ModelCard, Role
 from orchestrator.runtime.request_plane import WorkerClient
-from router.disagg import Candidate, DisaggPolicy, best_candidate
+from router.disagg import Candidate, Choice, DisaggPolicy, best_candidate
 from router.protocols import RouteRequest, WorkerLoad
 from router.router import make_router
 from router.table import ModelRoutes, RoutingTable
@@ -62,11 +62,8 @@ LONG_COLD = Candidate(uncached_tokens=6000, queued_tokens=0)
         ("adaptive", LONG_COLD, LONG_COLD, True, (True, "pays")),
         ("adaptive", LONG_COLD, None, True, (False, "no_prefill")),
         ("adaptive", LONG_COLD, LONG_COLD, False, (False, "no_decode")),
-        # a short uncached part: a decode batch loses less than a handover costs
-        ("adaptive", Candidate(2047, 0), Candidate(2047, 0), True, (False, "short")),
-        ("adaptive", Candidate(2048, 0), Candidate(2048, 0), True, (True, "pays")),
-        # short because the whole-request worker caches most of it, though the prefill pool does not
-        ("adaptive", Candidate(500, 0), Candidate(8000, 0), True, (False, "short")),
+        # no threshold by default: a short prompt moves too while the prefill pool is no busier
+        ("adaptive", Candidate(100, 0), Candidate(100, 0), True, (True, "pays")),
         # the prefill pool is behind: the first token would come later there
         ("adaptive", Candidate(4000, 1000), Candidate(4000, 2000), True, (False, "prefill_busy")),
         # ...but a busy prefill pool still pays when the whole-request workers are busier
@@ -87,6 +84,11 @@ def test_decide(
 
 
 def test_the_threshold_is_a_setting() -> None:
+    dynamo = DisaggPolicy("adaptive", min_uncached_tokens=2048)  # NVIDIA Dynamo's threshold
+    assert dynamo.decide(Candidate(2047, 0), Candidate(2047, 0), True) == Choice(False, "short")
+    assert dynamo.decide(Candidate(2048, 0), Candidate(2048, 0), True) == Choice(True, "pays")
+    # short because the whole-request worker caches most of it, though the prefill pool does not
+    assert dynamo.decide(Candidate(500, 0), Candidate(8000, 0), True) == Choice(False, "short")
     policy = DisaggPolicy("adaptive", min_uncached_tokens=100)
     assert policy.decide(Candidate(150, 0), Candidate(150, 0), True).disaggregate
 

@@ -67,7 +67,7 @@ def find_pool(api: client.ApiClient, namespace: str, release: str | None, name: 
     matches = [p for p in pools if p.name == name]
     where = f"namespace {namespace}" + (f", release {release}" if release else "")
     if not matches:
-        known = ", ".join(sorted({p.name for p in pools})) or "none"
+        known = ", ".join(sorted({f"{p.name} ({p.role})" for p in pools})) or "none"
         raise OperatorError(f"no pool named {name!r} in {where} (pools there: {known})", EXIT_NOT_FOUND)
     if len(matches) > 1:
         releases = ", ".join(p.release for p in matches)

@@ -1,6 +1,7 @@
 """`weir scale POOL --replicas N`: set a worker pool's size through its Deployment's scale
 subresource, the same door HPA uses (and a planner will, once there is one), so they compose
-instead of fighting over the Deployment spec."""
+instead of fighting over the Deployment spec. Disaggregated serving has a pool per role
+(prefill, decode), each sized on its own; the output names the pool's role."""
 
 from __future__ import annotations
 
@@ -14,7 +15,11 @@ from orchestrator.cli.pools import find_pool
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("pool", help="pool name, as in the chart's `pools:` list (see `weir status`)")
+    parser.add_argument(
+        "pool",
+        help="pool name, as in the chart's `pools:` list; a prefill and a decode pool are two pools, "
+        "each scaled by its own name (`weir status` shows each pool's role)",
+    )
     parser.add_argument("--replicas", type=_replicas, required=True, help="new number of workers (0 or more)")
     parser.add_argument(
         "--dry-run",
@@ -51,7 +56,8 @@ def scale(args: argparse.Namespace) -> str:
     new = result.spec.replicas if result.spec else args.replicas
     prefix = "dry run: would scale" if args.dry_run else "scaled"
     done = (
-        f"{prefix} pool {pool.name} (deployment {ns}/{pool.deployment}) from {pool.desired} to {new} replicas"
+        f"{prefix} pool {pool.name} (role {pool.role}, deployment {ns}/{pool.deployment}) "
+        f"from {pool.desired} to {new} replicas"
     )
     return done if autoscaler is None else f"{done}\n{autoscaler}"
 

@@ -1,5 +1,6 @@
-"""`weir status`: the release's pools as Kubernetes sees them (desired and ready replicas), and
-the workers registered in discovery with their load.
+"""`weir status`: the release's pools as Kubernetes sees them (role, desired and ready
+replicas), and the workers registered in discovery with their role and load, counted by role
+(a disaggregated model's prefill and decode workers side by side).
 
 Load comes from the workers' own load reports on NATS, heard for `--load-window` seconds
 (they publish at least once a second); without NATS the load columns stay empty. Each part
@@ -16,6 +17,7 @@ import argparse
 import asyncio
 import json
 import sys
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import msgspec
@@ -157,9 +159,15 @@ def to_json(report: Report) -> dict[str, object]:
         "pools": [asdict(p) for p in report.pools],
         "discovery": asdict(planes) if planes else None,
         "workers": report.workers,
+        "roles": role_counts(report.workers),
         "errors": [{"message": str(e), "exit_code": e.exit_code} for e in report.errors],
         "kubernetes_skipped": report.kubernetes_skipped,
     }
+
+
+def role_counts(workers: list[dict[str, object]]) -> dict[str, int]:
+    """Workers in discovery per role (aggregated, prefill, decode), by role name."""
+    return dict(sorted(Counter(str(w["role"]) for w in workers).items()))
 
 
 def _tiers(tiers: object) -> str:
@@ -223,6 +231,9 @@ def to_table(report: Report) -> str:
         "KV TIERS",
     ]
     lines += _columns(header, worker_rows)
+    if report.workers:
+        counts = role_counts(report.workers)
+        lines.append("By role: " + ", ".join(f"{role} {n}" for role, n in counts.items()))
     return "\n".join(lines)
 
 

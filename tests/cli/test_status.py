@@ -90,11 +90,13 @@ async def test_without_kubernetes_it_shows_discovery_and_succeeds(
     assert lines[0] == "Pools: not shown, Kubernetes not configured (no kubeconfig, not in a pod)"
     assert any(line.startswith(worker) and "10.0.0.7:9000" in line for line in lines)
     assert any(line.startswith(worker) and line.endswith("host:65536,remote") for line in lines), lines
+    assert lines[-1] == "By role: aggregated 1"
     listed = await status(no_kubernetes_env, *planes, "-o", "json")
     assert listed.rc == 0
     report = json.loads(listed.out)
     assert [w["instance_id"] for w in report["workers"]] == [worker]
     assert report["workers"][0]["kv_tiers"] == {"host": 65536, "remote": 0}
+    assert report["roles"] == {"aggregated": 1}
     assert (report["pools"], report["errors"]) == ([], [])
     assert report["kubernetes_skipped"] == "not configured (no kubeconfig, not in a pod)"
 

@@ -2,7 +2,8 @@
 rendered (ConfigMap via envFrom, env, downward-API pod IP), against real etcd and NATS. They
 must find each other through the ConfigMap's addresses, pass their probes and serve a
 completion; `weir status` then sees the worker and its load. Every example that runs on CPU is
-run the same way, each of its Deployments a process, and serves a chat completion."""
+run the same way, each of its Deployments a process, and serves a chat completion (handed from
+a prefill worker to a decode worker, when the example has prefill pools)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.protocol import KvSnapshot
@@ -132,11 +134,11 @@ def test_rendered_pods_find_each_other_and_serve(pods: dict[str, Any]) -> None:
     assert entry["load"]["total_blocks"] > 0
 
 
-# The examples this machine can run: CPU only, nothing to download. aggregated-deepinfer.yaml
-# and external-planes.yaml serve Qwen3 checkpoints from a model claim on GPUs; those weights are
-# not available offline, so they are linted, rendered and validated (test_chart_lint,
-# test_chart_manifests) but not run here.
-CPU_EXAMPLES = [CHART / "examples" / "mocker-cpu.yaml"]
+# The examples this machine can run: CPU only, nothing to download. aggregated-deepinfer.yaml,
+# disaggregated-deepinfer.yaml and external-planes.yaml serve Qwen3 checkpoints from a model
+# claim on GPUs; those weights are not available offline, so they are linted, rendered and
+# validated (test_chart_lint, test_chart_manifests, test_chart_examples) but not run here.
+CPU_EXAMPLES = [CHART / "examples" / "mocker-cpu.yaml", CHART / "examples" / "disaggregated-mocker.yaml"]
 # The pods' "cache" volume, here: the user cache, where the bundled model is converted once (a
 # fresh directory per pod, as each pod's emptyDir is, would convert it again, 10-20 s apiece).
 LOCAL_CACHE = Path.home() / ".cache"
@@ -282,21 +284,48 @@ def _start(stack: ExitStack, pods: list[LocalPod], logs: Path, workers: int) -> 
     return cluster
 
 
+def _sample_sum(text: str, name: str, labels: dict[str, str]) -> float:
+    """The sum of `name`'s samples in Prometheus text whose labels include `labels`."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
+
+
+def check_handovers(cluster: Cluster, pods: list[LocalPod], model: str, pools: list[Manifest]) -> None:
+    """One request served: disaggregated, its KV pulled by a decode worker, when the example
+    has a prefill pool (its frontend sends every prefill there); whole otherwise."""
+    handovers = 1 if any(pool["role"] == "prefill" for pool in pools) else 0
+    decided = f'model="{model}",outcome="disaggregated"'
+    assert cluster.frontend_metric("weir_frontend_disagg_decisions_total", decided) == handovers
+    assert cluster.frontend_metric("weir_frontend_disagg_fallbacks_total", f'model="{model}"') == 0
+    workers = [
+        httpx.get(pod.url("metrics") + "/metrics", timeout=5).text
+        for pod in pods
+        if pod.component == "worker"
+    ]
+    pulled = {"direction": "pulled", "outcome": "ok"}
+    assert sum(_sample_sum(text, "weir_worker_kv_transfers_total", pulled) for text in workers) == handovers
+
+
+WITH_ROUTER = {"router.enabled": "true", "clusterSecret.value": "chart-test-cluster-secret"}
+
+
 @pytest.mark.parametrize(
     ("example", "sets"),
-    # The router case also closes the request plane: every process gets the cluster secret.
-    [
-        *((path, {}) for path in CPU_EXAMPLES),
-        (CPU_EXAMPLES[0], {"router.enabled": "true", "clusterSecret.value": "chart-test-cluster-secret"}),
-    ],
-    ids=[*(path.name for path in CPU_EXAMPLES), f"{CPU_EXAMPLES[0].name}+router.enabled"],
+    # The router cases also close the request plane: every process gets the cluster secret.
+    [*((path, {}) for path in CPU_EXAMPLES), *((path, WITH_ROUTER) for path in CPU_EXAMPLES)],
+    ids=[*(path.name for path in CPU_EXAMPLES), *(f"{path.name}+router.enabled" for path in CPU_EXAMPLES)],
 )
 def test_cpu_example_runs_and_serves_a_chat(
     helm_bin: str, etcd_url: str, nats_url: str, tmp_path: Path, example: Path, sets: dict[str, str]
 ) -> None:
     """The example's Deployments, one process each (replicas aside), pass their readiness
     probes and serve a chat completion through the rendered frontend: every pool's worker is
-    routable, and the standalone router, when enabled, makes the decision."""
+    routable, a prefill pool's worker hands the prompt's KV to a decode pool's, and the
+    standalone router, when enabled, makes the (whole-request or decode) decision."""
     pools = yaml.safe_load(example.read_text())["pools"]
     (model,) = {pool["model"] for pool in pools}
     release = f"run{time.monotonic_ns() % 10**9}"  # also its weir namespace, apart from other tests'
@@ -316,6 +345,7 @@ def test_cpu_example_runs_and_serves_a_chat(
         )
         assert reply.choices[0].finish_reason == "length"
         assert reply.usage is not None and reply.usage.completion_tokens == 8
+        check_handovers(cluster, pods, model, pools)
         for pod in pods:
             if pod.component == "router":
                 text = httpx.get(pod.url("metrics") + "/metrics", timeout=5).text
@@ -333,14 +363,15 @@ def _kv_snapshot(address: str, security: PlaneSecurity) -> KvSnapshot:
     return asyncio.run(call())
 
 
+@pytest.mark.parametrize("example", CPU_EXAMPLES, ids=lambda p: p.name)
 def test_cpu_example_serves_over_request_plane_tls(
-    helm_bin: str, etcd_url: str, nats_url: str, tmp_path: Path
+    helm_bin: str, etcd_url: str, nats_url: str, tmp_path: Path, example: Path
 ) -> None:
     """requestPlaneTLS with a kubernetes.io/tls Secret (tls.crt, tls.key, ca.crt; made here) in
     the mounts as rendered: the workers and the router serve TLS, the frontend asks the router
-    and streams a chat from a worker over it, and a plaintext caller is refused at a worker's
-    port that a caller trusting ca.crt is answered on."""
-    example = CPU_EXAMPLES[0]
+    and streams a chat from a worker over it (a decode worker pulling the prefill's KV over it
+    too), and a plaintext caller is refused at a worker's port that a caller trusting ca.crt is
+    answered on."""
     pools = yaml.safe_load(example.read_text())["pools"]
     (model,) = {pool["model"] for pool in pools}
     certs = make_certs(tmp_path)
@@ -373,6 +404,7 @@ def test_cpu_example_serves_over_request_plane_tls(
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
         usage = chunks[-1].usage
         assert usage is not None and usage.completion_tokens == 8
+        check_handovers(cluster, pods, model, pools)
         (router,) = [pod for pod in pods if pod.component == "router"]
         text = httpx.get(router.url("metrics") + "/metrics", timeout=5).text
         # The router decided, so the frontend reached it over TLS (unreachable, it decides itself).

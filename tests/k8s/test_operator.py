@@ -109,7 +109,10 @@ def test_scale_sets_replicas_through_the_scale_subresource(
 ) -> None:
     result = weir(capsys, "scale", "main", "--replicas", "5", *kube_args(release))
     assert result.rc == 0, result.err
-    assert "scaled pool main (deployment weir-ops/ops-weir-pool-main) from 2 to 5 replicas" in result.out
+    assert (
+        "scaled pool main (role aggregated, deployment weir-ops/ops-weir-pool-main) from 2 to 5 replicas"
+        in result.out
+    )
     assert plain(apps.read_namespaced_deployment_scale("ops-weir-pool-main", NS))["spec"]["replicas"] == 5
     assert apps.read_namespaced_deployment("ops-weir-pool-main", NS).spec.replicas == 5
     # The other pool is untouched.
@@ -127,8 +130,8 @@ def test_dry_run_changes_nothing(
     result = weir(capsys, "scale", "extra", "--replicas", "7", "--dry-run", *kube_args(release))
     assert result.rc == 0, result.err
     assert (
-        f"dry run: would scale pool extra (deployment weir-ops/ops-weir-pool-extra) from {before} to 7"
-        in (result.out)
+        "dry run: would scale pool extra (role aggregated, deployment weir-ops/ops-weir-pool-extra) "
+        f"from {before} to 7" in (result.out)
     )
     assert apps.read_namespaced_deployment("ops-weir-pool-extra", NS).spec.replicas == before
 
@@ -136,7 +139,10 @@ def test_dry_run_changes_nothing(
 def test_unknown_pool_is_a_clear_error(capsys: pytest.CaptureFixture[str], release: Release) -> None:
     result = weir(capsys, "scale", "mian", "--replicas", "1", *kube_args(release))
     assert result.rc == 3
-    assert "no pool named 'mian' in namespace weir-ops, release ops (pools there: extra, main)" in result.err
+    assert (
+        "no pool named 'mian' in namespace weir-ops, release ops "
+        "(pools there: extra (aggregated), main (aggregated))" in result.err
+    )
 
 
 def test_bad_replica_count_is_a_usage_error(capsys: pytest.CaptureFixture[str], release: Release) -> None:

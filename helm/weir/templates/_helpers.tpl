@@ -93,6 +93,14 @@ weir.dev/role: {{ .role }}
 weir.dev/backend: {{ .backend }}
 {{- end -}}
 
+{{/* Non-empty when a pool has `role` (and, when given, serves `model`).
+Args: (dict "root" $ "role" string ["model" string]) */}}
+{{- define "weir.hasPool" -}}
+{{- range .root.Values.pools -}}
+{{- if and (eq .role $.role) (or (not $.model) (eq .model $.model)) }}true{{ end -}}
+{{- end -}}
+{{- end -}}
+
 {{/* A pool's size: `replicas` at install; on upgrade, with keepScaledReplicas, the size running
 now, so `helm upgrade` does not undo `weir scale` or an HPA. lookup finds nothing
 under `helm template`, which therefore shows `replicas`. Args: (dict "root" $ "pool" $p "name" $name) */}}

@@ -60,10 +60,13 @@ T = TypeVar("T")
 
 class KvBlocksCall(msgspec.Struct, array_like=True):
     """The `kv_blocks` payload. `host_id`: the caller's, when it can read this host's shared
-    memory (its `host_id()` equals the transfer's); empty asks for the TCP stream."""
+    memory (its `host_id()` equals the transfer's); empty asks for the TCP stream. `segment`:
+    the name the caller chose for the shared-memory segment, so that it can remove the
+    segment whatever happens to the server (`segment_name`)."""
 
     transfer_id: str
     host_id: str = ""
+    segment: str = ""
 
 
 class KvInline(msgspec.Struct, tag=1, array_like=True):
@@ -100,11 +103,19 @@ def host_id() -> str:
     return f"{boot}/{socket.gethostname()}/{shm.st_dev}:{shm.st_ino}"
 
 
-def new_segment() -> tuple[str, int]:
-    """A fresh segment only this user can read: its name and a descriptor open for writing."""
-    name = f"weir-kv-{secrets.token_hex(16)}"
+def segment_name() -> str:
+    """A fresh segment name, chosen by the caller of a pull."""
+    return f"weir-kv-{secrets.token_hex(16)}"
+
+
+def new_segment(name: str) -> int:
+    """Create the segment `name` (of our pattern, not there yet) that only this user can read;
+    a descriptor open for writing. OSError otherwise: a caller never makes us touch another
+    file, nor one that exists."""
+    if not _SEGMENT_NAME.fullmatch(name):
+        raise OSError(f"not a KV segment name: {name!r}")
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    return name, os.open(SHM_DIR / name, flags, 0o600)
+    return os.open(SHM_DIR / name, flags, 0o600)
 
 
 def open_segment(name: str) -> int:

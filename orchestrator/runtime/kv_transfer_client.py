@@ -31,6 +31,8 @@ from orchestrator.runtime.kv_transfer import (
     in_thread_on,
     map_records,
     open_segment,
+    segment_name,
+    unlink_segment,
 )
 from orchestrator.runtime.protocol import KvTransfer
 from orchestrator.runtime.request_plane.client import RequestPlaneClient
@@ -48,7 +50,7 @@ class _Refused(ValueError):
 class _Pull:
     """What one pull has accepted, and the claimed segment it reads from, if any."""
 
-    def __init__(self, wanted: int, max_record: int, worker_id: str) -> None:
+    def __init__(self, wanted: int, max_record: int, worker_id: str, segment: str) -> None:
         self.wanted = wanted
         self.max_record = max_record
         self.worker_id = worker_id
@@ -56,7 +58,7 @@ class _Pull:
         self.size = 0
         self.transport = "tcp"
         self._inline = False  # past the answer's KvInline: each frame is a record
-        self._segment = ""
+        self._segment = segment  # the one this pull named, "" for none
         self._fd: int | None = None
 
     async def take(self, payload: bytes) -> None:
@@ -81,10 +83,10 @@ class _Pull:
             raise _Refused(f"refused a record: {refused}")
 
     async def _read(self, answer: KvShared, count: int) -> list[memoryview]:
+        if answer.segment != self._segment or not self._segment:
+            raise ValueError("the answer names a shared-memory segment this pull did not ask for")
         if self._fd is None:  # claimed (unlinked) on first sight: gone even if this pull dies
-            self._fd, self._segment, self.transport = open_segment(answer.segment), answer.segment, "shm"
-        elif answer.segment != self._segment:
-            raise ValueError("the answer switched shared-memory segments")
+            self._fd, self.transport = open_segment(answer.segment), "shm"
         return await in_thread_on(self._fd, map_records, answer.offset, answer.sizes[:count])
 
     def _acceptable(self, sizes: list[int]) -> tuple[int, str]:
@@ -115,8 +117,11 @@ async def pull_kv(
         return []
     max_record = min(transfer.block_bytes + RECORD_HEADER_ALLOWANCE, MAX_RECORD_BYTES)
     local = bool(transfer.host_id) and transfer.host_id == host_id()
-    call = KvBlocksCall(transfer.transfer_id, host_id() if local else "")
-    pull = _Pull(wanted, max_record, worker_id)
+    # The caller names the segment, so that it removes it even when the server dies between
+    # creating it and telling us about it.
+    segment = segment_name() if local else ""
+    call = KvBlocksCall(transfer.transfer_id, host_id() if local else "", segment)
+    pull = _Pull(wanted, max_record, worker_id, segment)
     stream = client.stream(transfer.address, KV_BLOCKS, encode(call), KV_PULL_BACKLOG_BYTES)
     start = time.monotonic()
     try:
@@ -136,6 +141,8 @@ async def pull_kv(
     finally:
         await stream.aclose()
         pull.close()
+        if segment:
+            unlink_segment(segment)  # claimed already, usually: then there is nothing to remove
         got = len(pull.records)
         outcome = "ok" if got == wanted else "partial" if got else "failed"
         metrics.observe_transfer(

@@ -106,7 +106,7 @@ class KvTransferServer:
             usable = next((i for i, r in enumerate(records) if len(r) > MAX_RECORD_BYTES), len(records))
             done = 0
             if call.host_id and call.host_id == host_id():
-                async with contextlib.aclosing(self._shared(records[:usable])) as frames:
+                async with contextlib.aclosing(self._shared(records[:usable], call.segment)) as frames:
                     async for frame, count, size in frames:
                         transport = "shm"
                         yield frame
@@ -123,16 +123,17 @@ class KvTransferServer:
                 self.worker_id, "served", transport, outcome, sent, time.monotonic() - start
             )
 
-    async def _shared(self, records: list[bytes]) -> AsyncGenerator[tuple[bytes, int, int], None]:
-        """`records` written into a new segment batch by batch, each batch's `KvShared` frame
-        with its record and byte counts as soon as it is written. Stops early (the caller
-        sends the rest over TCP) when /dev/shm lacks the room or a write fails."""
+    async def _shared(self, records: list[bytes], name: str) -> AsyncGenerator[tuple[bytes, int, int], None]:
+        """`records` written into the new segment `name` batch by batch, each batch's `KvShared`
+        frame with its record and byte counts as soon as it is written. Stops early (the rest
+        goes over TCP) when /dev/shm lacks the room, the name is not ours to create, or a
+        write fails."""
         total = sum(map(len, records))
         try:
             stat = os.statvfs(SHM_DIR)
             if stat.f_bavail * stat.f_frsize < total:
                 raise OSError(f"{SHM_DIR} has less than {total} bytes free")
-            name, fd = new_segment()
+            fd = new_segment(name)
         except OSError as exc:
             self._warn("worker %s: KV over TCP, no shared-memory segment: %s", self.worker_id, exc)
             return

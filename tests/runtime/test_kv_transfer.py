@@ -27,6 +27,7 @@ from orchestrator.runtime.kv_transfer import (
     KvShared,
     decode_answer,
     host_id,
+    segment_name,
 )
 from orchestrator.runtime.kv_transfer_client import pull_kv
 from orchestrator.runtime.protocol import KvTransfer, TokenDelta, WorkerRequest
@@ -209,7 +210,7 @@ async def test_an_unclaimed_segment_is_removed_at_expiry(planes: tuple[Discovery
     client = RequestPlaneClient()
     try:
         transfer = await prefill(p)
-        call = msgspec.msgpack.encode(KvBlocksCall(transfer.transfer_id, host_id()))
+        call = msgspec.msgpack.encode(KvBlocksCall(transfer.transfer_id, host_id(), segment_name()))
         stream = client.stream(p.address, KV_BLOCKS, call)
         answer = decode_answer(await anext(stream))
         await stream.aclose()
@@ -264,6 +265,57 @@ async def test_a_prefill_worker_killed_mid_transfer_leaves_the_prefix_that_arriv
             metric("weir_worker_kv_transfers_total", worker="killed", direction="pulled", outcome="partial")
             == 1
         )
+    finally:
+        proc.kill()
+        proc.wait()
+        await client.close()
+
+
+DIES_AFTER_CREATING = """
+import asyncio, os, msgspec
+from orchestrator.runtime.kv_transfer import KvBlocksCall, new_segment
+from orchestrator.runtime.request_plane import KV_BLOCKS, RequestPlaneServer
+
+async def kv_blocks(payload):
+    call = msgspec.msgpack.decode(payload, type=KvBlocksCall)
+    os.write(new_segment(call.segment), b"x" * 4096)
+    print("created", flush=True)
+    await asyncio.Event().wait()  # SIGKILLed here: the segment made, nothing said of it
+    yield b""
+
+async def main():
+    server = RequestPlaneServer({KV_BLOCKS: kv_blocks})
+    print(await server.start("127.0.0.1", 0), flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+async def test_a_segment_left_by_a_server_that_died_is_removed_by_the_caller() -> None:
+    """The caller names the segment, so a server killed between creating it and announcing it
+    leaks nothing: the caller removes it when its pull ends."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DIES_AFTER_CREATING], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    client = RequestPlaneClient()
+    before = set(SHM_DIR.glob("weir-kv-*"))
+    try:
+        assert proc.stdout is not None
+        port = int(await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30))
+        transfer = KvTransfer(
+            transfer_id="t",
+            address=f"127.0.0.1:{port}",
+            host_id=host_id(),
+            block_hashes=[1, 2],
+            block_bytes=4096,
+        )
+        pull = asyncio.create_task(pull_kv(client, transfer, 30, worker_id="dies"))
+        assert await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30) == "created\n"
+        [made] = set(SHM_DIR.glob("weir-kv-*")) - before
+        os.kill(proc.pid, signal.SIGKILL)
+        assert await asyncio.wait_for(pull, 10) == []
+        assert not made.exists()
     finally:
         proc.kill()
         proc.wait()

@@ -1,0 +1,152 @@
+"""Disaggregated against aggregated serving on real DeepInfer engines, in wall time.
+
+`weir serve` on SmolLM2-135M-Instruct (or a tiny random Llama) twice, at equal worker counts:
+two aggregated workers, then one prefill and one decode worker (`--disaggregation always`),
+each engine on one torch thread. `weir bench --workload trace` sends the same mixed trace to
+both: short prompts (96 tokens, `--decode-output` tokens out) every 2 s on average, into
+which long prompts (`--long-tokens`) arrive every 8 s. An aggregated worker runs a long
+prompt's prefill in the steps of the decodes it is serving, so those decodes wait; a decode
+worker only decodes. The
+figures are weir bench's: inter-token latency pooled over every output chunk (the handover's
+gap included), TTFT, TPOT.
+
+    python benchmarks/disagg_deepinfer.py               # SmolLM2, about 3 minutes
+    python benchmarks/disagg_deepinfer.py --model tiny  # a tiny random Llama
+
+Ends with one JSON line: each configuration's figures and `itl_p99_ratio` (disaggregated /
+aggregated; issue #12 wants <= 0.5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TRACE_BLOCK = 64
+KEEP = ("completed", "failed", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms")
+
+
+def model_dir(name: str, scratch: Path) -> Path:
+    if name == "tiny":
+        from backends.deepinfer.tiny import build_checkpoint
+
+        return build_checkpoint(scratch / "tiny-llama", "llama", hidden_size=256, num_hidden_layers=4)
+    from backends.deepinfer.smollm2 import ensure_default_model
+
+    return ensure_default_model()
+
+
+def mixed_trace(path: Path, seconds: float, long_tokens: int, decode_output: int, rng: random.Random) -> None:
+    lines: list[dict[str, object]] = []
+    next_id = 0
+    for rate, length, output in ((0.5, 96, decode_output), (0.125, long_tokens, 8)):
+        t = 0.0
+        while (t := t + rng.expovariate(rate) * 1000) < seconds * 1000:
+            blocks = -(-length // TRACE_BLOCK)
+            ids = list(range(next_id, next_id + blocks))
+            next_id += blocks
+            lines.append(
+                {"timestamp": round(t, 1), "input_length": length, "output_length": output, "hash_ids": ids}
+            )
+    lines.sort(key=lambda line: float(line["timestamp"]))  # type: ignore[arg-type]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serve_and_bench(flags: list[str], model: Path, trace: Path, log: Path) -> dict[str, object]:
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "orchestrator.cli.main",
+        "serve",
+        "--backend",
+        "deepinfer",
+        "--model",
+        str(model),
+    ]
+    cmd += ["--device", "cpu", "--port", str(port), *flags]
+    with log.open("wb") as out:
+        server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"weir serve exited; see {log}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"weir serve did not become healthy; see {log}")
+            time.sleep(0.2)
+        bench = [sys.executable, "-m", "orchestrator.cli.main", "bench", "--url", url, "--workload", "trace"]
+        bench += ["--trace", str(trace), "--trace-block-size", str(TRACE_BLOCK), "--vocab-size", "400"]
+        done = subprocess.run(bench, capture_output=True, text=True, env=env, cwd=ROOT, check=True)
+        point = json.loads(done.stdout.strip().splitlines()[-1])["points"][0]
+        return {k: point.get(k) for k in KEEP}
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
+    parser.add_argument("--seconds", type=float, default=90.0, help="trace length")
+    parser.add_argument("--long-tokens", type=int, default=1024)
+    parser.add_argument("--decode-output", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        work = Path(scratch)
+        model = model_dir(args.model, work)
+        trace = work / "mixed.jsonl"
+        mixed_trace(trace, args.seconds, args.long_tokens, args.decode_output, random.Random(args.seed))
+        runs = {
+            "aggregated": serve_and_bench(["--workers", "2"], model, trace, work / "agg.log"),
+            "disaggregated": serve_and_bench(
+                ["--prefill-workers", "1", "--decode-workers", "1", "--disaggregation", "always"],
+                model,
+                trace,
+                work / "disagg.log",
+            ),
+        }
+    for name, figures in runs.items():
+        print(f"{name:14} {figures}", file=sys.stderr)
+    agg, disagg = runs["aggregated"]["itl_p99_ms"], runs["disaggregated"]["itl_p99_ms"]
+    ratio = None
+    if isinstance(agg, float) and isinstance(disagg, float) and agg > 0:
+        ratio = round(disagg / agg, 3)
+    print(json.dumps({"model": args.model, **runs, "itl_p99_ratio": ratio}))
+
+
+if __name__ == "__main__":
+    main()

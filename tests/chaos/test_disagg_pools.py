@@ -39,6 +39,7 @@ from orchestrator.runtime.kv_transfer import SHM_DIR
 from orchestrator.runtime.worker_host import DEFAULT_KV_PULL_TIMEOUT_S
 from tests.cli.procs import wait_healthy, weir_process
 from tests.cluster import Cluster, metric, planes, start_frontend
+from tests.completions import streamed_completion
 from tests.servers import free_port
 from tests.waiting import wait_until
 
@@ -65,22 +66,9 @@ PREFILL, DECODE = ("prefill-0", "prefill-1"), ("decode-0", "decode-1")
 
 def complete(client: openai.OpenAI, prompt: str) -> str:
     """`prompt`'s greedy completion, streamed, run to MAX_TOKENS."""
-    stream = client.completions.create(
-        model=MODEL,
-        prompt=prompt,
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        seed=3,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
-    parts, tokens = [], 0
-    for chunk in stream:
-        parts += [choice.text for choice in chunk.choices]
-        tokens = chunk.usage.completion_tokens if chunk.usage is not None else tokens
-    assert tokens == MAX_TOKENS
-    return "".join(parts)
+    text, usage, _ = streamed_completion(client, MODEL, prompt, MAX_TOKENS, seed=3)
+    assert usage.completion_tokens == MAX_TOKENS
+    return text
 
 
 def unread_calls(port: int) -> int:

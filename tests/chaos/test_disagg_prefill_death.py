@@ -15,28 +15,16 @@ import openai
 from backends.registry import DEFAULT_MODEL
 from tests.cli.procs import weir_process
 from tests.cluster import Cluster, planes, start_frontend
+from tests.completions import streamed_completion
 
 PROMPT = "tell me about the river " * 12
 LEASE_TTL_S = "30"  # the killed worker stays in discovery for the whole test
 
 
 def complete(client: openai.OpenAI) -> str:
-    stream = client.completions.create(
-        model=DEFAULT_MODEL,
-        prompt=PROMPT,
-        max_tokens=12,
-        temperature=0,
-        seed=11,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
-    text, tokens = [], 0
-    for chunk in stream:
-        text += [choice.text for choice in chunk.choices]
-        tokens = chunk.usage.completion_tokens if chunk.usage is not None else tokens
-    assert tokens == 12
-    return "".join(text)
+    text, usage, _ = streamed_completion(client, DEFAULT_MODEL, PROMPT, 12, seed=11)
+    assert usage.completion_tokens == 12
+    return text
 
 
 def test_a_killed_prefill_worker_falls_back_to_the_decode_worker(

@@ -17,6 +17,7 @@ from backends.registry import DEFAULT_MODEL
 from tests.cli.procs import wait_healthy, weir, weir_process
 from tests.cli.test_serve import Served
 from tests.cluster import metric
+from tests.completions import streamed_completion
 from tests.servers import free_port
 
 MOCKER = ["--backend", "mocker", "--speedup", "1000", "--block-size", "16"]
@@ -49,27 +50,10 @@ def outputs(served: Served, model: str) -> list[Output]:
     finish reason."""
     results: list[Output] = []
     for prompt, max_tokens in PROMPTS:
-        stream = served.client.completions.create(
-            model=model,
-            prompt=prompt,
-            max_tokens=max_tokens,
-            temperature=0,
-            seed=7,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        text: list[str] = []
-        finish: str | None = None
-        usage = None
-        for chunk in stream:
-            for choice in chunk.choices:
-                text.append(choice.text)
-                finish = choice.finish_reason or finish
-            usage = chunk.usage or usage
-        assert usage is not None and usage.prompt_tokens_details is not None
+        text, usage, finish = streamed_completion(served.client, model, prompt, max_tokens, seed=7)
+        assert usage.prompt_tokens_details is not None
         cached = usage.prompt_tokens_details.cached_tokens or 0
-        results.append(("".join(text), usage.prompt_tokens, usage.completion_tokens, cached, finish))
+        results.append((text, usage.prompt_tokens, usage.completion_tokens, cached, finish))
     return results
 
 

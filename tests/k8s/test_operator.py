@@ -243,22 +243,34 @@ def test_two_releases_need_release_flag(
         )
 
 
-def _worker_pod(core: client.CoreV1Api, name: str, pool: str, ip: str) -> None:
-    labels = {"app.kubernetes.io/name": "weir", "app.kubernetes.io/instance": RELEASE,
+def worker_pod(
+    core: client.CoreV1Api,
+    name: str,
+    pool: str,
+    ip: str,
+    *,
+    namespace: str = NS,
+    release: str = RELEASE,
+    role: str | None = None,
+) -> None:
+    """A pod of `pool` as its ReplicaSet and kubelet would leave it: labelled, running, an IP."""
+    labels = {"app.kubernetes.io/name": "weir", "app.kubernetes.io/instance": release,
               "app.kubernetes.io/component": "worker", "weir.dev/pool": pool}  # fmt: skip
+    if role is not None:
+        labels["weir.dev/role"] = role
     pod = client.V1Pod(
         metadata=client.V1ObjectMeta(name=name, labels=labels),
         spec=client.V1PodSpec(containers=[client.V1Container(name="worker", image="weir")]),
     )
-    core.create_namespaced_pod(NS, pod)
+    core.create_namespaced_pod(namespace, pod)
     # The kubelet's part: the pod runs and has an IP.
     core.patch_namespaced_pod_status(
-        name, NS, {"status": {"podIP": ip, "podIPs": [{"ip": ip}], "phase": "Running"}}
+        name, namespace, {"status": {"podIP": ip, "podIPs": [{"ip": ip}], "phase": "Running"}}
     )
 
 
 async def test_status_shows_registered_workers_with_load(release: Release, core: client.CoreV1Api) -> None:
-    _worker_pod(core, "ops-weir-pool-main-a", "main", "10.9.0.1")
+    worker_pod(core, "ops-weir-pool-main-a", "main", "10.9.0.1")
     discovery = make_discovery(release.etcd, RELEASE)
     events = make_event_plane(release.nats)
     card = ModelCard(name="mock-model", role="aggregated", backend="mocker", total_kv_blocks=16384)
@@ -325,7 +337,7 @@ async def test_drain_by_pod_name_marks_the_pod_for_scale_down(
 ) -> None:
     """WORKER may be a pod name; once its worker is gone from discovery the pod gets the lowest
     deletion cost, so the ReplicaSet removes it first on the next scale-down."""
-    _worker_pod(core, "ops-weir-pool-main-b", "main", "10.9.0.3")
+    worker_pod(core, "ops-weir-pool-main-b", "main", "10.9.0.3")
     discovery = make_discovery(release.etcd, RELEASE)
     card = ModelCard(name="mock-model", role="aggregated", backend="mocker")
     await discovery.register(

@@ -19,7 +19,7 @@ from orchestrator.runtime.discovery import make_discovery
 from orchestrator.runtime.protocol import Instance, ModelCard, Role
 from tests.k8s.apiserver import ApiServer
 from tests.k8s.helm import CHART, helm
-from tests.k8s.test_operator import plain, weir
+from tests.k8s.test_operator import plain, weir, worker_pod
 
 NS = "weir-disagg"
 RELEASE = "dis"
@@ -80,24 +80,8 @@ def test_an_unknown_pool_lists_the_pools_with_their_roles(
 
 
 def _worker_pod(api: client.ApiClient, pool: str, ip: str) -> str:
-    """A pod of `pool` as its ReplicaSet and kubelet would leave it: labelled, running, an IP."""
-    core = client.CoreV1Api(api)
     name = f"dis-weir-pool-{pool}-7d9f-x2k4"
-    labels = {
-        "app.kubernetes.io/name": "weir",
-        "app.kubernetes.io/instance": RELEASE,
-        "app.kubernetes.io/component": "worker",
-        "weir.dev/pool": pool,
-        "weir.dev/role": pool,
-    }
-    pod = client.V1Pod(
-        metadata=client.V1ObjectMeta(name=name, labels=labels),
-        spec=client.V1PodSpec(containers=[client.V1Container(name="worker", image="weir")]),
-    )
-    core.create_namespaced_pod(NS, pod)
-    core.patch_namespaced_pod_status(
-        name, NS, {"status": {"podIP": ip, "podIPs": [{"ip": ip}], "phase": "Running"}}
-    )
+    worker_pod(client.CoreV1Api(api), name, pool, ip, namespace=NS, release=RELEASE, role=pool)
     return name
 
 

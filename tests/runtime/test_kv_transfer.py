@@ -16,9 +16,9 @@ import msgspec
 import pytest
 from prometheus_client import REGISTRY
 
-from orchestrator.runtime.discovery import Discovery, make_discovery
+from orchestrator.runtime.discovery import Discovery
 from orchestrator.runtime.errors import EngineError
-from orchestrator.runtime.events import EventPlane, make_event_plane
+from orchestrator.runtime.events import EventPlane
 from orchestrator.runtime.hashing import block_hashes
 from orchestrator.runtime.kv_transfer import (
     INLINE,
@@ -60,14 +60,6 @@ async def no_segment_left() -> AsyncIterator[None]:
     before = segments()
     yield
     await eventually(lambda: segments() <= before)
-
-
-@pytest.fixture
-async def planes() -> AsyncIterator[tuple[Discovery, EventPlane]]:
-    discovery, events = make_discovery(None, "test"), make_event_plane(None)
-    yield discovery, events
-    await events.close()
-    await discovery.close()
 
 
 async def started(

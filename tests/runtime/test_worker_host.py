@@ -48,14 +48,6 @@ def kv_events_published(worker: str) -> float:
 
 
 @pytest.fixture
-async def planes() -> AsyncIterator[tuple[Discovery, EventPlane]]:
-    discovery, events = make_discovery(None, "test"), make_event_plane(None)
-    yield discovery, events
-    await events.close()
-    await discovery.close()
-
-
-@pytest.fixture
 async def host(planes: tuple[Discovery, EventPlane]) -> AsyncIterator[WorkerHost]:
     h = WorkerHost(FakeEngine(step_s=0.001), *planes, namespace="test", instance_id="w1")
     await h.start()

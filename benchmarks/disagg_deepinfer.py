@@ -3,10 +3,10 @@
 `weir serve` on SmolLM2-135M-Instruct (or a tiny random Llama) twice, at equal worker counts:
 two aggregated workers, then one prefill and one decode worker (`--disaggregation always`),
 each engine on one torch thread. `weir bench --workload trace` sends the same mixed trace to
-both: short prompts (96 tokens, `--decode-output` tokens out) every 2 s on average, into
-which long prompts (`--long-tokens`) arrive every 8 s. An aggregated worker runs a long
-prompt's prefill in the steps of the decodes it is serving, so those decodes wait; a decode
-worker only decodes. The
+both: short prompts (96 tokens, `--decode-output` tokens out; `--short-rate`, 0.5 a second),
+into which long prompts arrive (`--long-tokens`, 512; `--long-rate`, one every 4 s). An
+aggregated worker runs a long prompt's prefill in the steps of the decodes it is serving, so
+those decodes wait; a decode worker only decodes. The
 figures are weir bench's: inter-token latency pooled over every output chunk (the handover's
 gap included), TTFT, TPOT.
 
@@ -50,12 +50,13 @@ def model_dir(name: str, scratch: Path) -> Path:
     return ensure_default_model()
 
 
-def mixed_trace(path: Path, seconds: float, long_tokens: int, decode_output: int, rng: random.Random) -> None:
+def mixed_trace(path: Path, args: argparse.Namespace, rng: random.Random) -> None:
     lines: list[dict[str, object]] = []
     next_id = 0
-    for rate, length, output in ((0.5, 96, decode_output), (0.125, long_tokens, 8)):
+    streams = ((args.short_rate, 96, args.decode_output), (args.long_rate, args.long_tokens, 8))
+    for rate, length, output in streams:
         t = 0.0
-        while (t := t + rng.expovariate(rate) * 1000) < seconds * 1000:
+        while (t := t + rng.expovariate(rate) * 1000) < args.seconds * 1000:
             blocks = -(-length // TRACE_BLOCK)
             ids = list(range(next_id, next_id + blocks))
             next_id += blocks
@@ -121,15 +122,17 @@ def main() -> None:
     )
     parser.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
     parser.add_argument("--seconds", type=float, default=90.0, help="trace length")
-    parser.add_argument("--long-tokens", type=int, default=1024)
-    parser.add_argument("--decode-output", type=int, default=48)
+    parser.add_argument("--long-tokens", type=int, default=512)
+    parser.add_argument("--short-rate", type=float, default=0.5, help="short prompts per second")
+    parser.add_argument("--long-rate", type=float, default=0.25, help="long prompts per second")
+    parser.add_argument("--decode-output", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
         model = model_dir(args.model, work)
         trace = work / "mixed.jsonl"
-        mixed_trace(trace, args.seconds, args.long_tokens, args.decode_output, random.Random(args.seed))
+        mixed_trace(trace, args, random.Random(args.seed))
         runs = {
             "aggregated": serve_and_bench(["--workers", "2"], model, trace, work / "agg.log"),
             "disaggregated": serve_and_bench(

@@ -100,11 +100,9 @@ def test_two_workers_share_blocks(url: str) -> None:
 
 
 def test_an_outage_is_a_miss_with_one_warning_and_recovers(
-    port: int, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    port: int, tmp_path: Path, quick_outages: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(redis_store, "BACKOFF_START_S", 0.05)
-    monkeypatch.setattr(redis_store, "BACKOFF_MAX_S", 0.2)
-    caplog.set_level(logging.INFO, logger="kvbm.redis_store")
+    caplog = quick_outages
     url = f"redis://127.0.0.1:{port}"
     with redis_on(port, tmp_path) as server:
         store = RedisStore(url, LAYOUT, BLOCK)

@@ -148,11 +148,9 @@ def test_a_redis_that_refuses_config_warns_once_and_still_serves(
 
 
 def test_the_watcher_comes_back_with_redis(
-    port: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    port: int, tmp_path: Path, quick_outages: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(redis_store, "BACKOFF_START_S", 0.05)
-    monkeypatch.setattr(redis_store, "BACKOFF_MAX_S", 0.2)
-    caplog.set_level(logging.INFO, logger="kvbm.redis_store")
+    caplog = quick_outages
     url = f"redis://127.0.0.1:{port}"
     with redis_on(port, tmp_path) as server:
         store, reports = watching(url, ttl_s=1)

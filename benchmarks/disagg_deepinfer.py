@@ -36,18 +36,10 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from models import MODELS, deepinfer_model  # noqa: E402
+
 TRACE_BLOCK = 64
 KEEP = ("completed", "failed", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms")
-
-
-def model_dir(name: str, scratch: Path) -> Path:
-    if name == "tiny":
-        from backends.deepinfer.tiny import build_checkpoint
-
-        return build_checkpoint(scratch / "tiny-llama", "llama", hidden_size=256, num_hidden_layers=4)
-    from backends.deepinfer.smollm2 import ensure_default_model
-
-    return ensure_default_model()
 
 
 def mixed_trace(path: Path, args: argparse.Namespace, rng: random.Random) -> None:
@@ -120,7 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
+    parser.add_argument("--model", choices=MODELS, default="smollm2")
     parser.add_argument("--seconds", type=float, default=90.0, help="trace length")
     parser.add_argument("--long-tokens", type=int, default=512)
     parser.add_argument("--short-rate", type=float, default=0.5, help="short prompts per second")
@@ -130,7 +122,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
-        model = model_dir(args.model, work)
+        model = deepinfer_model(args.model, work, hidden_size=256, num_hidden_layers=4)
         trace = work / "mixed.jsonl"
         mixed_trace(trace, args, random.Random(args.seed))
         runs = {

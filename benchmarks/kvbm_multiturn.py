@@ -48,6 +48,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from models import MODELS, deepinfer_model  # noqa: E402
+
 from backends.deepinfer.config import EngineConfig  # noqa: E402
 from backends.deepinfer.engine import Engine  # noqa: E402
 from orchestrator.runtime.protocol import SamplingOptions, WorkerRequest  # noqa: E402
@@ -64,16 +66,6 @@ class Turn:
     cached_tokens: int
     ttft_s: float
     output: list[int]
-
-
-def model_dir(name: str, scratch: Path) -> Path:
-    if name == "tiny":
-        from backends.deepinfer.tiny import build_checkpoint
-
-        return build_checkpoint(scratch / "tiny-llama", "llama")
-    from backends.deepinfer.smollm2 import ensure_default_model
-
-    return ensure_default_model()
 
 
 def serve(engine: Engine, request_id: str, tokens: list[int], max_tokens: int) -> Turn:
@@ -140,7 +132,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
+    parser.add_argument("--model", choices=MODELS, default="smollm2")
     parser.add_argument("--conversations", type=int, default=12, help="12: the KV is 11x G1 by default")
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--user-tokens", type=int, default=96, help="new tokens in each user message")
@@ -172,7 +164,7 @@ def main() -> int:
         print(f"warning: the KV is only {kv_over_g1:.1f}x G1 (the benchmark wants >= 10)", file=sys.stderr)
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = model_dir(args.model, Path(tmp))
+        model = deepinfer_model(args.model, Path(tmp))
 
         def engine(host_cache_gb: float) -> Engine:
             return Engine(

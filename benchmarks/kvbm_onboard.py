@@ -34,6 +34,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from models import MODELS, deepinfer_model  # noqa: E402
+
 from backends.deepinfer.config import EngineConfig  # noqa: E402
 from backends.deepinfer.model_runner import ModelRunner  # noqa: E402
 from backends.deepinfer.outputs import BlockLoad, ScheduledChunk, SchedulerOutput  # noqa: E402
@@ -41,21 +43,11 @@ from backends.deepinfer.sequence import Sequence  # noqa: E402
 from orchestrator.runtime.protocol import SamplingOptions, WorkerRequest  # noqa: E402
 
 
-def model_dir(name: str, scratch: Path) -> Path:
-    if name == "tiny":
-        from backends.deepinfer.tiny import build_checkpoint
-
-        return build_checkpoint(scratch / "tiny-llama", "llama")
-    from backends.deepinfer.smollm2 import ensure_default_model
-
-    return ensure_default_model()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
+    parser.add_argument("--model", choices=MODELS, default="smollm2")
     parser.add_argument("--prefix-tokens", type=int, default=1536)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
@@ -65,7 +57,7 @@ def main() -> None:
         parser.error("--prefix-tokens must be a multiple of --block-size")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as scratch:
-        directory = model_dir(args.model, Path(scratch))
+        directory = deepinfer_model(args.model, Path(scratch))
         total = args.prefix_tokens + args.new_tokens
         num_blocks = -(-total // args.block_size)
         runner = ModelRunner(

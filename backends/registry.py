@@ -12,7 +12,8 @@ A spec's `build` imports the engine once that backend is the one asked for.
 
 The shared flags (`SHARED_FLAGS`) are declared once, here, with no default, so that each
 backend applies its own (`BackendSpec.defaults`): the mocker's are NVIDIA Dynamo's, DeepInfer's
-are its EngineConfig's.
+are its EngineConfig's, and an adapter's may be None, "the engine's own choice" (vLLM picks its
+block size by platform), which its card then reports.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.runtime.engine import Engine
+from orchestrator.runtime.protocol import Role
 
 # What `weir serve` and `weir worker` run without --backend.
 DEFAULT_BACKEND = "deepinfer"
@@ -44,10 +46,13 @@ class BackendSpec:
     description: str  # a few words for --backend's help
     # Adds the backend's own flags, in groups of its own; never a shared one, nor --model.
     add_arguments: Callable[[argparse.ArgumentParser], None]
-    defaults: Mapping[str, int]  # the backend's value of each of SHARED_FLAGS
+    # The backend's value of each of SHARED_FLAGS; None: the engine chooses.
+    defaults: Mapping[str, int | None]
     # (args, model directory, served model name) -> the engine. Every shared flag in `args`
     # is set: the user's value, else the one in `defaults`.
     build: Callable[[argparse.Namespace, Path, str], Engine]
+    # The roles its engine can serve; disaggregation needs the KV data plane (`read_transfer`).
+    roles: tuple[Role, ...] = ("aggregated", "prefill", "decode")
 
     def __post_init__(self) -> None:
         if set(self.defaults) != set(SHARED_FLAGS):
@@ -61,6 +66,7 @@ class BackendSpec:
 _SPEC_MODULES: dict[str, str] = {
     "mocker": "backends.mocker.args",
     "deepinfer": "backends.deepinfer.args",
+    "vllm": "backends.vllm.args",
 }
 BACKENDS = tuple(_SPEC_MODULES)
 
@@ -99,7 +105,10 @@ def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
         help="the model name clients ask for (default: the directory's name)",
     )
     for dest, help_text in SHARED_FLAGS.items():
-        defaults = ", ".join(f"{name} {spec.defaults[dest]}" for name, spec in specs.items())
+        defaults = ", ".join(
+            f"{name} {'its own' if spec.defaults[dest] is None else spec.defaults[dest]}"
+            for name, spec in specs.items()
+        )
         group.add_argument(
             "--" + dest.replace("_", "-"),
             type=int,
@@ -128,10 +137,12 @@ def served_name(args: argparse.Namespace, model_dir: Path) -> str:
     return DEFAULT_MODEL if args.model == DEFAULT_MODEL else model_dir.name
 
 
-def make_engine(args: argparse.Namespace, model_dir: Path) -> Engine:
+def make_engine(args: argparse.Namespace, model_dir: Path, role: Role = "aggregated") -> Engine:
     """The engine `args` ask for, serving `model_dir` (from `resolve_model`) under
-    `served_name(args, model_dir)`. Raises ValueError for an unknown backend or for flags the
-    backend rejects."""
+    `served_name(args, model_dir)` in `role`. Raises ValueError for an unknown backend, a role
+    it cannot serve or flags it rejects."""
     spec = backend_spec(args.backend)
+    if role not in spec.roles:
+        raise ValueError(f"the {args.backend} backend serves role {' or '.join(spec.roles)}, not {role}")
     unset = {dest: default for dest, default in spec.defaults.items() if getattr(args, dest) is None}
     return spec.build(argparse.Namespace(**(vars(args) | unset)), model_dir, served_name(args, model_dir))

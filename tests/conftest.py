@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from backends.deepinfer.smollm2 import ensure_default_model, gguf_path
 from tests.servers import etcd_server, nats_server, redis_server
 
 
@@ -25,3 +28,15 @@ def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with redis_server(tmp_path_factory.mktemp("redis")) as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The converted default model; reuses $WEIR_CACHE_DIR when set (CI caches it), else a
+    per-session temporary cache (conversion takes ~5 s)."""
+    try:
+        gguf_path()
+    except FileNotFoundError as exc:  # the package is an optional install (--no-deps)
+        pytest.skip(str(exc))
+    root = os.environ.get("WEIR_CACHE_DIR")
+    return ensure_default_model(Path(root) if root else tmp_path_factory.mktemp("weir-cache"))

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     config = frontend_config(args, NAMESPACE)
     try:
         model_dir = resolve_model(args.model)
-        engines = [with_role(make_engine(args, model_dir), role) for role in roles]
+        engines = [with_role(make_engine(args, model_dir, role), role) for role in roles]
     except (ValueError, OSError) as exc:
         print(f"weir serve: {exc}", file=sys.stderr)
         return 2

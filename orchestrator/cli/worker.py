@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     try:
         model_dir = resolve_model(args.model)
-        engine = with_role(make_engine(args, model_dir), args.role)
+        engine = with_role(make_engine(args, model_dir, args.role), args.role)
     except (ValueError, OSError) as exc:
         print(f"weir worker: {exc}", file=sys.stderr)
         return 2

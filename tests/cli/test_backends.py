@@ -25,8 +25,10 @@ from orchestrator.runtime.engine import Engine
 from tests.cli.procs import REPO
 from tests.frontend.tokenizer_dirs import build_chatml
 
-# Each backend's config class, whose defaults the shared flags must fall back to.
+# Each bundled backend's config class, whose defaults the shared flags must fall back to.
 CONFIGS: dict[str, type[MockerConfig | EngineConfig]] = {"mocker": MockerConfig, "deepinfer": EngineConfig}
+# Adapters whose shared defaults are the engine's own choice (None): Weir passes only what is given.
+ADAPTERS = ("vllm",)
 
 
 def backend_parser() -> argparse.ArgumentParser:
@@ -51,7 +53,9 @@ def built_config(engine: Engine) -> MockerConfig | EngineConfig:
 
 
 def test_every_backend_is_registered_with_its_config() -> None:
-    assert set(CONFIGS) == set(BACKENDS)
+    assert set(CONFIGS) | set(ADAPTERS) == set(BACKENDS)
+    for name in ADAPTERS:
+        assert all(value is None for value in backend_spec(name).defaults.values())
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -66,7 +70,7 @@ def test_each_backends_flags_parse_beside_the_others(name: str) -> None:
     assert all(args[dest] is None for dest in SHARED_FLAGS)  # left for the backend to fill
 
 
-@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("name", CONFIGS)
 def test_shared_flags_take_each_backends_own_default(name: str, model_dir: Path) -> None:
     argv = ["--backend", name, "--model", str(model_dir)]
     config = built_config(make_engine(backend_parser().parse_args(argv), model_dir))
@@ -81,14 +85,41 @@ def test_shared_flags_take_each_backends_own_default(name: str, model_dir: Path)
 
 
 def test_an_unknown_backend_is_refused(model_dir: Path) -> None:
-    with pytest.raises(ValueError, match="unknown backend 'vllm'; choose one of mocker, deepinfer"):
-        backend_spec("vllm")
+    with pytest.raises(ValueError, match=f"unknown backend 'llamacpp'; choose one of {', '.join(BACKENDS)}"):
+        backend_spec("llamacpp")
     args = backend_parser().parse_args([])
-    args.backend = "vllm"
-    with pytest.raises(ValueError, match="unknown backend 'vllm'"):
+    args.backend = "llamacpp"
+    with pytest.raises(ValueError, match="unknown backend 'llamacpp'"):
         make_engine(args, model_dir)
     with pytest.raises(SystemExit):  # argparse names the choices
-        backend_parser().parse_args(["--backend", "vllm"])
+        backend_parser().parse_args(["--backend", "llamacpp"])
+
+
+def test_a_role_the_backend_cannot_serve_is_refused(model_dir: Path) -> None:
+    args = backend_parser().parse_args(["--backend", "vllm", "--model", str(model_dir)])
+    with pytest.raises(ValueError, match="the vllm backend serves role aggregated, not prefill"):
+        make_engine(args, model_dir, "prefill")
+
+
+def test_vllm_engine_args_pass_through_but_not_weirs_own(model_dir: Path) -> None:
+    from backends.vllm.args import vllm_engine_args
+
+    argv = ["--backend", "vllm", "--model", str(model_dir)]
+    args = backend_parser().parse_args(
+        [*argv, "--vllm-engine-args", '{"max-model-len": 2048, "enforce_eager": true}']
+    )
+    fields = vllm_engine_args(args, model_dir, "m")
+    assert fields["max_model_len"] == 2048 and fields["enforce_eager"] is True
+    assert fields["model"] == str(model_dir) and fields["served_model_name"] == "m"
+    assert "block_size" not in fields and "max_num_seqs" not in fields  # vLLM's own choice
+    given = backend_parser().parse_args([*argv, "--block-size", "64", "--max-num-seqs", "8"])
+    assert {k: vllm_engine_args(given, model_dir, "m")[k] for k in ("block_size", "max_num_seqs")} == {
+        "block_size": 64,
+        "max_num_seqs": 8,
+    }
+    for owned in ('{"block_size": 16}', '{"kv_events_config": {}}', "[1]", "{nope"):
+        with pytest.raises(SystemExit):
+            backend_parser().parse_args([*argv, "--vllm-engine-args", owned])
 
 
 def test_a_spec_must_give_every_shared_default() -> None:
@@ -109,7 +140,7 @@ with contextlib.suppress(SystemExit):
     main(["worker", "--backend", "mocker", "--help"])
 argv = ["worker", "--backend", "mocker", "--model", {str(model_dir)!r}]
 make_engine(build_parser(only="worker").parse_args(argv), Path(argv[-1]))
-print(sorted(name for name in sys.modules if name.split(".")[0] == "torch"))
+print(sorted(name for name in sys.modules if name.split(".")[0] in ("torch", "vllm")))
 """
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60, check=False

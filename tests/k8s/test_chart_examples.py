@@ -1,7 +1,7 @@
 """Every example in helm/weir/examples/ deploys only pools that Weir serves at this commit:
 each rendered worker's command line parses with `weir worker`'s real parser, names a backend
-it builds and a role a router serves (the pool's own, as its labels say), and a model whose
-architecture DeepInfer runs; the frontend's parses with `weir frontend`'s, and disaggregates
+it builds and a role a router serves (the pool's own, as its labels say) and that backend
+serves, and for DeepInfer a model whose architecture it runs; the frontend's parses with `weir frontend`'s, and disaggregates
 when the example has a prefill pool."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from backends.deepinfer.models.registry import MODELS
-from backends.registry import BACKENDS
+from backends.registry import BACKENDS, backend_spec
 from orchestrator.cli.main import build_parser
 from router.table import ROUTABLE_ROLES
 from tests.k8s.helm import EXAMPLES, find, one, render
@@ -53,6 +53,9 @@ def test_example_pools_are_served(helm_bin: str, example: Path) -> None:
         assert args.role == pool["metadata"]["labels"]["weir.dev/role"]
         if args.role == "prefill":
             assert frontend.disaggregation != "never", f"{example.name}: its prefill pool gets no prefill"
+        if args.backend == "vllm":  # its flags parsed above; the roles its spec serves
+            assert args.role in backend_spec("vllm").roles
+            assert args.vllm_engine_args, f"{example.name}: a vLLM pool without engine arguments"
         if args.backend == "deepinfer":
             family = re.sub(r"^.*/", "", args.model)
             arch = next((a for prefix, a in ARCHITECTURES.items() if family.startswith(prefix)), None)

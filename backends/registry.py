@@ -67,6 +67,8 @@ _SPEC_MODULES: dict[str, str] = {
     "mocker": "backends.mocker.args",
     "deepinfer": "backends.deepinfer.args",
     "vllm": "backends.vllm.args",
+    "sglang": "backends.sglang.args",
+    "trtllm": "backends.trtllm.args",
 }
 BACKENDS = tuple(_SPEC_MODULES)
 

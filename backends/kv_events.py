@@ -39,8 +39,18 @@ from orchestrator.runtime.throttled_log import ThrottledWarning
 log = logging.getLogger(__name__)
 
 # An engine's storage medium -> Weir's tier. vLLM's GPU pool is "GPU" (its CPU build too);
-# its offloading connectors report "CPU" and "STORAGE". SGLang leaves it unset.
-_TIERS: dict[str | None, Tier] = {None: "device", "GPU": "device", "CPU": "host", "STORAGE": "disk"}
+# its offloading connectors report "CPU" and "STORAGE". SGLang's HiCache reports
+# "CPU_PINNED", "DISK" and "EXTERNAL" (a storage backend its instances share, as Weir's
+# remote tier is).
+_TIERS: dict[str | None, Tier] = {
+    None: "device",
+    "GPU": "device",
+    "CPU": "host",
+    "CPU_PINNED": "host",
+    "STORAGE": "disk",
+    "DISK": "disk",
+    "EXTERNAL": "remote",
+}
 
 # Positional field order of events encoded as arrays (msgspec array_like structs: SGLang's,
 # and vLLM's before it gave its events map form); the first element is the tag.
@@ -85,10 +95,14 @@ def decode_batch(payload: bytes) -> list[dict[str, Any]]:
     return [fields for event in batch[1] if (fields := event_fields(event)) is not None]
 
 
-def _salt(extra_keys: Any) -> tuple[bool, str | None]:
-    """(translatable, cache salt) from the first block's extra keys. vLLM publishes them
-    untagged: a bare string is a cache salt (or a LoRA name, refused before this), a tuple a
-    multimodal (identifier, offset) pair, bytes a prompt-embedding digest."""
+def _salt(event: Mapping[str, Any]) -> tuple[bool, str | None]:
+    """(translatable, cache salt) of a chain's first block. SGLang names it `cache_salt`;
+    vLLM puts it in the first block's extra keys, untagged: a bare string is a cache salt (or
+    a LoRA name, refused before this), a tuple a multimodal (identifier, offset) pair, bytes a
+    prompt-embedding digest."""
+    if isinstance(event.get("cache_salt"), str):
+        return True, event["cache_salt"]
+    extra_keys = event.get("extra_keys")
     if not extra_keys or not extra_keys[0]:
         return True, None
     keys = extra_keys[0]
@@ -161,7 +175,7 @@ class KvMirror:
         tier = _TIERS.get(event.get("medium"), "device")
         parent = event.get("parent_block_hash")
         parent_weir = None if parent is None else self._weir.get((tier, parent))
-        ok, salt = _salt(event.get("extra_keys")) if parent is None else (True, None)
+        ok, salt = _salt(event) if parent is None else (True, None)
         later_keys = (event.get("extra_keys") or [None])[1:]
         if (
             not hashes
@@ -283,7 +297,10 @@ class ZmqKvEvents:
             sock.connect(self._replay_endpoint)
             sock.send_multipart([b"", self._next_seq.to_bytes(8, "big")])
             while sock.poll(self.REPLAY_TIMEOUT_MS):
-                _, topic, seq_bytes, payload = sock.recv_multipart()
+                # [empty, topic, seq, payload]; SGLang before 0.5 sent no topic.
+                reply = sock.recv_multipart()
+                seq_bytes, payload = reply[-2], reply[-1]
+                topic = reply[1] if len(reply) == 4 else b""
                 seq = int.from_bytes(seq_bytes, "big", signed=True)
                 if seq == self._END_SEQ or seq >= upto:
                     break

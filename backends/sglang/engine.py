@@ -27,8 +27,8 @@ from typing import Any
 import sglang
 from tokenizers import Tokenizer
 
-from backends.kv_events import ZmqKvEvents
-from backends.sglang.params import DeltaMaker, SglangKvMirror, generate_kwargs
+from backends.kv_events import KvMirror, ZmqKvEvents
+from backends.sglang.params import DeltaMaker, generate_kwargs
 from orchestrator.runtime.engine import DeltaStream
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.model_files import eos_token_ids
@@ -96,7 +96,7 @@ class SglangWorker:
         if engine.server_args.disable_radix_cache:
             log.warning("SGLang runs without its radix cache here: the router gets no KV events")
         _start_output_loop(engine.tokenizer_manager)
-        self._events = ZmqKvEvents(endpoint, replay, SglangKvMirror(page_size))
+        self._events = ZmqKvEvents(endpoint, replay, KvMirror(page_size))
         self._card = _card(engine, self.served_name)
         self._engine = engine
 

@@ -19,10 +19,9 @@ structured-output request cannot be resumed mid-grammar and is refused.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from backends.kv_events import KvMirror
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.protocol import (
     FinishReason,
@@ -219,42 +218,3 @@ def _logprobs(
             )
         )
     return out
-
-
-# SGLang's StorageMedium values (disaggregation/kv_events.py) -> the media names KvMirror
-# knows (vLLM's). SGLang's "EXTERNAL" pool (Mooncake and the like) has no Weir tier here.
-_MEDIA: dict[str, str | None] = {"GPU": "GPU", "CPU_PINNED": "CPU", "DISK": "STORAGE"}
-
-
-def kv_fields(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """SGLang 0.5.23's KV events in the field names `KvMirror.apply` reads.
-
-    SGLang names a stored block's salt `cache_salt` (its hashes are already namespaced by
-    it), where KvMirror reads vLLM's `extra_keys`; Weir's hash must carry the salt too, or
-    a salted prompt's blocks would be credited to unsalted prompts. Only the first block of a
-    chain takes the salt: the later ones inherit it through their parent. Events of the
-    EXTERNAL medium are dropped (nothing in Weir's tiers stands for a shared pool)."""
-    out: list[dict[str, Any]] = []
-    for event in events:
-        fields = dict(event)
-        medium = fields.get("medium")
-        if medium is not None:
-            if medium not in _MEDIA:
-                continue
-            fields["medium"] = _MEDIA[medium]
-        salt = fields.pop("cache_salt", None)
-        if (
-            fields.get("type") == "BlockStored"
-            and salt is not None
-            and fields.get("parent_block_hash") is None
-        ):
-            fields["extra_keys"] = [[salt]]
-        out.append(fields)
-    return out
-
-
-class SglangKvMirror(KvMirror):
-    """A `KvMirror` that reads SGLang's event fields (`kv_fields`) before mirroring."""
-
-    def apply(self, events: Iterable[Mapping[str, Any]]) -> None:
-        super().apply(kv_fields(events))

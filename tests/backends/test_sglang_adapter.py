@@ -28,12 +28,11 @@ from typing import Any
 import msgspec
 import pytest
 
-from backends.kv_events import decode_batch
+from backends.kv_events import KvMirror, decode_batch
 from backends.registry import add_backend_arguments, backend_spec
 from backends.sglang.args import sglang_server_args
 from backends.sglang.params import (
     DeltaMaker,
-    SglangKvMirror,
     abort_error,
     generate_kwargs,
     sampling_params,
@@ -274,7 +273,7 @@ def frame(*events: dict[str, object]) -> bytes:
 
 
 def test_stored_pages_are_mirrored_in_weirs_hashes_and_removed_by_sglangs() -> None:
-    mirror = SglangKvMirror(PAGE)
+    mirror = KvMirror(PAGE)
     # mem_cache/events.py coalesces a node's consecutive pages into one event.
     mirror.apply(decode_batch(frame(stored([-11, -12, -13], TOKENS))))
     mirror.apply(decode_batch(frame({"type": "BlockRemoved", "block_hashes": [-13], "medium": "GPU"})))
@@ -288,7 +287,7 @@ def test_stored_pages_are_mirrored_in_weirs_hashes_and_removed_by_sglangs() -> N
 
 
 def test_a_child_node_chains_to_its_parent_page() -> None:
-    mirror = SglangKvMirror(PAGE)
+    mirror = KvMirror(PAGE)
     mirror.apply([stored([-11], TOKENS[:4])])
     mirror.apply([stored([-12, -13], TOKENS[4:], parent=-11)])
     _, child = mirror.take_events()
@@ -297,7 +296,7 @@ def test_a_child_node_chains_to_its_parent_page() -> None:
 
 
 def test_a_salted_prompts_blocks_carry_the_salt_in_weirs_hash() -> None:
-    mirror = SglangKvMirror(PAGE)
+    mirror = KvMirror(PAGE)
     mirror.apply([stored([-21, -22], TOKENS[:8], cache_salt="tenant-a", session_id="s9")])
     mirror.apply([stored([-23], TOKENS[8:], parent=-22, cache_salt="tenant-a")])
     salted = block_hashes(TOKENS, PAGE, "tenant-a")
@@ -307,21 +306,25 @@ def test_a_salted_prompts_blocks_carry_the_salt_in_weirs_hash() -> None:
     ] == salted
 
 
-def test_host_and_disk_media_map_to_tiers_and_external_is_left_out() -> None:
-    mirror = SglangKvMirror(PAGE)
+def test_sglangs_media_map_to_tiers() -> None:
+    mirror = KvMirror(PAGE)
     mirror.apply([stored([-31], TOKENS[:4], medium="CPU_PINNED")])
     mirror.apply([stored([-32], TOKENS[4:8], medium="DISK")])
     mirror.apply([stored([-33], TOKENS[8:], medium="EXTERNAL")])
     mirror.apply([{"type": "BlockRemoved", "block_hashes": [-31], "medium": "CPU_PINNED"}])
-    host, disk, removed = mirror.take_events()
+    host, disk, remote, removed = mirror.take_events()
+    assert remote.events == [BlockStored(blocks=block_hashes(TOKENS[8:], PAGE), tier="remote")]
     assert host.events == [BlockStored(blocks=block_hashes(TOKENS[:4], PAGE), tier="host")]
     assert disk.events == [BlockStored(blocks=block_hashes(TOKENS[4:8], PAGE), tier="disk")]
     assert removed.events == [BlockRemoved(seq_hashes=block_hashes(TOKENS[:4], PAGE), tier="host")]
-    assert mirror.snapshot().blocks == {"disk": block_hashes(TOKENS[4:8], PAGE)}
+    assert mirror.snapshot().blocks == {
+        "disk": block_hashes(TOKENS[4:8], PAGE),
+        "remote": block_hashes(TOKENS[8:], PAGE),  # HiCache's shared storage backend
+    }
 
 
 def test_partial_pages_and_lora_pages_are_left_out() -> None:
-    mirror = SglangKvMirror(PAGE)
+    mirror = KvMirror(PAGE)
     # The last page of a node shorter than a page: block_size is its length (events.py).
     mirror.apply([stored([-41], TOKENS[:2], block_size=2)])
     mirror.apply([stored([-42], TOKENS[:4], lora_name="adapter-1")])

@@ -28,7 +28,7 @@ from tests.frontend.tokenizer_dirs import build_chatml
 # Each bundled backend's config class, whose defaults the shared flags must fall back to.
 CONFIGS: dict[str, type[MockerConfig | EngineConfig]] = {"mocker": MockerConfig, "deepinfer": EngineConfig}
 # Adapters whose shared defaults are the engine's own choice (None): Weir passes only what is given.
-ADAPTERS = ("vllm",)
+ADAPTERS = ("vllm", "sglang", "trtllm")
 
 
 def backend_parser() -> argparse.ArgumentParser:

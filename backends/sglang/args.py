@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
+from backends.adapter import engine_fields
 from backends.registry import BackendSpec
 from orchestrator.runtime.engine import Engine
 
@@ -36,29 +36,13 @@ def add_sglang_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("SGLang engine")
     g.add_argument(
         "--sglang-server-args",
-        type=_server_args,
+        type=engine_fields("ServerArgs fields", OWNED_SERVER_ARGS),
         default={},
         metavar="JSON",
         help="SGLang ServerArgs fields as a JSON object, as `sglang serve` names them, e.g. "
         '\'{"mem_fraction_static": 0.5, "context_length": 4096, "device": "cuda"}\' '
         "(dashes or underscores); page size and batch limits come from the shared flags",
     )
-
-
-def _server_args(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object of ServerArgs fields")
-    fields = {str(key).replace("-", "_"): item for key, item in value.items()}
-    owned = sorted(set(fields) & set(OWNED_SERVER_ARGS))
-    if owned:
-        raise argparse.ArgumentTypeError(
-            "; ".join(f"{name} is set by {OWNED_SERVER_ARGS[name]}" for name in owned)
-        )
-    return fields
 
 
 def sglang_server_args(args: argparse.Namespace, model_dir: Path, served_name: str) -> dict[str, Any]:

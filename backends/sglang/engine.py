@@ -25,16 +25,13 @@ from pathlib import Path
 from typing import Any
 
 import sglang
-from tokenizers import Tokenizer
 
+from backends.adapter import AggregatedAdapter, model_eos_ids
 from backends.kv_events import KvMirror, ZmqKvEvents
 from backends.sglang.params import DeltaMaker, generate_kwargs
 from orchestrator.runtime.engine import DeltaStream
 from orchestrator.runtime.errors import EngineError
-from orchestrator.runtime.model_files import eos_token_ids
 from orchestrator.runtime.protocol import (
-    KvEventBatch,
-    KvSnapshot,
     LoadReport,
     ModelCard,
     TokenDelta,
@@ -47,25 +44,21 @@ log = logging.getLogger(__name__)
 _ABORT_GRACE_S = 5.0
 
 
-class SglangWorker:
+class SglangWorker(AggregatedAdapter):
     """One SGLang engine serving one model, role `aggregated`."""
 
+    engine_name = "SGLang"
+
     def __init__(self, server_args: dict[str, Any], served_name: str) -> None:
+        super().__init__()
         self.server_args = server_args
         self.served_name = served_name
         self._engine: Any = None
-        self._card: ModelCard | None = None
         self._events: ZmqKvEvents | None = None
         self._dir: str | None = None
         self._active: set[str] = set()
         self._idle = asyncio.Event()
         self._idle.set()
-
-    @property
-    def card(self) -> ModelCard:
-        if self._card is None:
-            raise EngineError("unavailable", "the SGLang worker has not been started", retryable=True)
-        return self._card
 
     async def start(self) -> None:
         if self._engine is not None:
@@ -97,6 +90,7 @@ class SglangWorker:
             log.warning("SGLang runs without its radix cache here: the router gets no KV events")
         _start_output_loop(engine.tokenizer_manager)
         self._events = ZmqKvEvents(endpoint, replay, KvMirror(page_size))
+        self._mirror = self._events.mirror
         self._card = _card(engine, self.served_name)
         self._engine = engine
 
@@ -147,13 +141,6 @@ class SglangWorker:
             if not self._active:
                 self._idle.set()
 
-    # Disaggregation is not offered (SPEC.roles): nothing is ever held for a transfer.
-    def read_transfer(self, transfer_id: str) -> list[bytes] | None:
-        return None
-
-    def release_transfer(self, transfer_id: str) -> None:
-        pass
-
     def load(self) -> LoadReport:
         card = self.card
         engine = self._engine
@@ -167,16 +154,9 @@ class SglangWorker:
             queued_prefill_tokens=sum(s.num_waiting_uncached_tokens for s in snapshots),
         )
 
-    def take_kv_events(self) -> list[KvEventBatch]:
-        if self._events is None:
-            return []
-        self._events.poll()
-        return self._events.mirror.take_events()
-
-    def kv_snapshot(self) -> KvSnapshot:
-        if self._events is None:
-            return KvSnapshot(worker_id="", event_id=0, blocks={})
-        return self._events.mirror.snapshot()
+    def _poll_events(self) -> None:
+        if self._events is not None:
+            self._events.poll()
 
 
 def _start_output_loop(tokenizer_manager: Any) -> None:
@@ -219,8 +199,6 @@ def _card(engine: Any, served_name: str) -> ModelCard:
         backend="sglang",
         total_kv_blocks=max_tokens // page_size,
         max_num_seqs=server_args.max_running_requests or 0,
-        eos_token_ids=eos_token_ids(model_dir, Tokenizer.from_file(str(model_dir / "tokenizer.json")))
-        if (model_dir / "tokenizer.json").is_file()
-        else [],
+        eos_token_ids=model_eos_ids(model_dir),
         vocab_size=model.hf_text_config.vocab_size,
     )

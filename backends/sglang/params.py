@@ -22,6 +22,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from backends.adapter import new_tokens
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.protocol import (
     FinishReason,
@@ -62,25 +63,11 @@ def generate_kwargs(request: WorkerRequest) -> dict[str, Any]:
 
 def sampling_params(request: WorkerRequest) -> dict[str, Any]:
     """SGLang's `sampling_params` dict for `request` (docs/basic_usage/sampling_params.mdx)."""
-    if request.prefill_only or request.kv_transfer is not None:
-        raise EngineError(
-            "invalid_request", "the SGLang adapter serves aggregated requests only (no disaggregation)"
-        )
-    done = len(request.generated_token_ids)
-    if done and request.guided is not None:
-        raise EngineError(
-            "invalid_request", "SGLang cannot resume a structured-output request mid-way (migration)"
-        )
-    remaining = request.max_tokens - done
-    if remaining < 1:
-        raise EngineError(
-            "invalid_request",
-            f"max_tokens {request.max_tokens} leaves nothing to generate after {done} migrated tokens",
-        )
+    most, fewest = new_tokens(request, "SGLang")
     s = request.sampling
     params: dict[str, Any] = {
-        "max_new_tokens": remaining,
-        "min_new_tokens": max(request.min_tokens - done, 0),
+        "max_new_tokens": most,
+        "min_new_tokens": fewest,
         "temperature": s.temperature,
         "top_p": s.top_p,
         "top_k": s.top_k if s.top_k > 0 else TOP_K_OFF,

@@ -4,10 +4,10 @@ stays cheap."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
+from backends.adapter import json_object, owned_fields
 from backends.registry import BackendSpec
 from orchestrator.runtime.engine import Engine
 
@@ -46,25 +46,15 @@ def add_trtllm_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _llm_args(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object of LLM arguments")
+    value = json_object(text, "LLM arguments")
     kv = value.get("kv_cache_config", {})
     if not isinstance(kv, dict):
         raise argparse.ArgumentTypeError("kv_cache_config must be a JSON object of KvCacheConfig fields")
-    problems = [
-        f"{name} is set by {OWNED_LLM_ARGS[name]}" for name in sorted(set(value) & set(OWNED_LLM_ARGS))
-    ]
-    problems += [
-        f"kv_cache_config.{name} is set by {OWNED_KV_CACHE_CONFIG[name]}"
-        for name in sorted(set(kv) & set(OWNED_KV_CACHE_CONFIG))
-    ]
+    problems = owned_fields(value, OWNED_LLM_ARGS)
+    problems += owned_fields(kv, OWNED_KV_CACHE_CONFIG, prefix="kv_cache_config.")
     if problems:
         raise argparse.ArgumentTypeError("; ".join(problems))
-    return dict(value)
+    return value
 
 
 def trtllm_llm_args(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:

@@ -22,16 +22,13 @@ from typing import Any
 from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm.llmapi import KvCacheConfig
 from tensorrt_llm.sampling_params import GuidedDecodingParams
-from tokenizers import Tokenizer
 
+from backends.adapter import AggregatedAdapter, model_eos_ids
 from backends.kv_events import KvMirror
 from backends.trtllm.params import DeltaMaker, kv_fields, priority, prompt, sampling_kwargs
 from orchestrator.runtime.engine import DeltaStream
 from orchestrator.runtime.errors import EngineError
-from orchestrator.runtime.model_files import eos_token_ids
 from orchestrator.runtime.protocol import (
-    KvEventBatch,
-    KvSnapshot,
     LoadReport,
     ModelCard,
     TokenDelta,
@@ -47,26 +44,18 @@ _EVENT_BUFFER = 65_536
 _POLL_S = 1.0
 
 
-class TrtllmWorker:
+class TrtllmWorker(AggregatedAdapter):
     """One TensorRT-LLM engine serving one model, role `aggregated`."""
 
+    engine_name = "TensorRT-LLM"
+
     def __init__(self, llm_args: dict[str, Any], served_name: str) -> None:
+        super().__init__()
         self.llm_args = llm_args
         self.served_name = served_name
         self._llm: Any = None
-        self._card: ModelCard | None = None
-        self._mirror: KvMirror | None = None
         self._stats: dict[str, Any] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        # Prompt tokens of requests that have not had their first token yet: the iteration
-        # stats count queued requests, not their tokens, and the router weighs queued prefill.
-        self._queued_prefill: dict[str, int] = {}
-
-    @property
-    def card(self) -> ModelCard:
-        if self._card is None:
-            raise EngineError("unavailable", "the TensorRT-LLM worker has not been started", retryable=True)
-        return self._card
 
     async def start(self) -> None:
         if self._llm is not None:
@@ -152,11 +141,11 @@ class TrtllmWorker:
         maker = DeltaMaker(request)
         result = None
         finished = False
-        self._queued_prefill[rid] = len(prompt(request))
+        self._waiting_first[rid] = len(prompt(request))
         try:
             result = llm.generate_async(prompt(request), sampling_params=params, streaming=True, **extra)
             async for out in result:
-                self._queued_prefill.pop(rid, None)
+                self._waiting_first.pop(rid, None)
                 delta = maker.delta(out)
                 finished = delta.finish_reason is not None
                 yield delta
@@ -167,16 +156,9 @@ class TrtllmWorker:
         except Exception as exc:
             raise EngineError("internal", f"TensorRT-LLM failed the request: {exc}") from exc
         finally:
-            self._queued_prefill.pop(rid, None)
+            self._waiting_first.pop(rid, None)
             if result is not None and not finished:  # closed early or failed: free its blocks
                 result.abort()
-
-    # Disaggregation is not offered (SPEC.roles): nothing is ever held for a transfer.
-    def read_transfer(self, transfer_id: str) -> list[bytes] | None:
-        return None
-
-    def release_transfer(self, transfer_id: str) -> None:
-        pass
 
     def load(self) -> LoadReport:
         kv = self._stats.get("kvCacheStats") or {}
@@ -186,16 +168,8 @@ class TrtllmWorker:
             waiting_requests=int(self._stats.get("numQueuedRequests", 0)),
             active_blocks=int(kv.get("usedNumBlocks", 0)),
             total_blocks=int(kv.get("maxNumBlocks", self.card.total_kv_blocks)),
-            queued_prefill_tokens=sum(self._queued_prefill.values()),
+            queued_prefill_tokens=self.queued_prefill_tokens,
         )
-
-    def take_kv_events(self) -> list[KvEventBatch]:
-        return self._mirror.take_events() if self._mirror is not None else []
-
-    def kv_snapshot(self) -> KvSnapshot:
-        if self._mirror is None:
-            return KvSnapshot(worker_id="", event_id=0, blocks={})
-        return self._mirror.snapshot()
 
 
 def _card(llm: Any, model_dir: Path, served_name: str, block_size: int) -> ModelCard:
@@ -219,8 +193,6 @@ def _card(llm: Any, model_dir: Path, served_name: str, block_size: int) -> Model
         backend="trtllm",
         total_kv_blocks=0,
         max_num_seqs=int(llm.args.max_batch_size or 0),
-        eos_token_ids=eos_token_ids(model_dir, Tokenizer.from_file(str(model_dir / "tokenizer.json")))
-        if (model_dir / "tokenizer.json").is_file()
-        else [],
+        eos_token_ids=model_eos_ids(model_dir),
         vocab_size=int(config.get("vocab_size") or 0),
     )

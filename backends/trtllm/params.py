@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+from backends.adapter import new_tokens
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.protocol import (
     FinishReason,
@@ -61,23 +62,9 @@ def priority(request: WorkerRequest) -> float:
 def sampling_kwargs(request: WorkerRequest, eos_token_ids: Sequence[int]) -> dict[str, Any]:
     """`SamplingParams` fields for `request`; a `guided_decoding` value is the field map of
     `GuidedDecodingParams`. `eos_token_ids` are the model's (the card's)."""
-    if request.prefill_only or request.kv_transfer is not None:
-        raise EngineError(
-            "invalid_request", "the TensorRT-LLM adapter serves aggregated requests only (no disaggregation)"
-        )
+    most, fewest = new_tokens(request, "TensorRT-LLM")
     if not eos_token_ids:
         raise EngineError("internal", "the model directory names no eos token; TensorRT-LLM needs an end_id")
-    done = len(request.generated_token_ids)
-    if done and request.guided is not None:
-        raise EngineError(
-            "invalid_request", "TensorRT-LLM cannot resume a structured-output request mid-way (migration)"
-        )
-    remaining = request.max_tokens - done
-    if remaining < 1:
-        raise EngineError(
-            "invalid_request",
-            f"max_tokens {request.max_tokens} leaves nothing to generate after {done} migrated tokens",
-        )
     s = request.sampling
     if s.logit_bias:
         raise EngineError(
@@ -92,8 +79,8 @@ def sampling_kwargs(request: WorkerRequest, eos_token_ids: Sequence[int]) -> dic
     kwargs: dict[str, Any] = {
         "end_id": end_id,
         "pad_id": end_id,
-        "max_tokens": remaining,
-        "min_tokens": max(request.min_tokens - done, 0),
+        "max_tokens": most,
+        "min_tokens": fewest,
         "temperature": s.temperature,
         "top_p": s.top_p,
         "top_k": max(s.top_k, 0),  # TensorRT-LLM's runtime: 0 is all logits, as Weir's 0 is

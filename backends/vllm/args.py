@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
+from backends.adapter import engine_fields
 from backends.registry import BackendSpec
 from orchestrator.runtime.engine import Engine
 
@@ -30,29 +30,13 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("vLLM engine")
     g.add_argument(
         "--vllm-engine-args",
-        type=_engine_args,
+        type=engine_fields("AsyncEngineArgs fields", OWNED_ENGINE_ARGS),
         default={},
         metavar="JSON",
         help="vLLM AsyncEngineArgs fields as a JSON object, as `vllm serve` names them, e.g. "
         '\'{"max_model_len": 2048, "enforce_eager": true, "gpu_memory_utilization": 0.3}\' '
         "(dashes or underscores); block size and batch limits come from the shared flags",
     )
-
-
-def _engine_args(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object of AsyncEngineArgs fields")
-    fields = {str(key).replace("-", "_"): item for key, item in value.items()}
-    owned = sorted(set(fields) & set(OWNED_ENGINE_ARGS))
-    if owned:
-        raise argparse.ArgumentTypeError(
-            "; ".join(f"{name} is set by {OWNED_ENGINE_ARGS[name]}" for name in owned)
-        )
-    return fields
 
 
 def vllm_engine_args(args: argparse.Namespace, model_dir: Path, served_name: str) -> dict[str, Any]:

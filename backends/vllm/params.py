@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from backends.adapter import new_tokens
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.protocol import (
     FinishReason,
@@ -51,19 +52,11 @@ def prompt(request: WorkerRequest) -> dict[str, Any]:
 
 def sampling_kwargs(request: WorkerRequest) -> dict[str, Any]:
     """vLLM SamplingParams fields for `request` (output as deltas, token ids only)."""
-    if request.prefill_only or request.kv_transfer is not None:
-        raise EngineError(
-            "invalid_request", "the vLLM adapter serves aggregated requests only (no disaggregation)"
-        )
-    done = len(request.generated_token_ids)
-    if done and request.guided is not None:
-        raise EngineError(
-            "invalid_request", "vLLM cannot resume a structured-output request mid-way (migration)"
-        )
+    most, fewest = new_tokens(request, "vLLM")
     s = request.sampling
     kwargs: dict[str, Any] = {
-        "max_tokens": request.max_tokens - done,
-        "min_tokens": max(request.min_tokens - done, 0),
+        "max_tokens": most,
+        "min_tokens": fewest,
         "temperature": s.temperature,
         "top_p": s.top_p,
         "top_k": max(s.top_k, 0),  # vLLM 0.32: 0 (or -1) is off, as Weir's 0 is

@@ -17,7 +17,6 @@ from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Tokenizer
 from vllm import SamplingParams
 from vllm.config.kv_events import KVEventsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -29,14 +28,12 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import SchedulerStats
 
+from backends.adapter import AggregatedAdapter, model_eos_ids
 from backends.kv_events import KvMirror, ZmqKvEvents
 from backends.vllm.params import DeltaMaker, prompt, sampling_kwargs
 from orchestrator.runtime.engine import DeltaStream
 from orchestrator.runtime.errors import EngineError
-from orchestrator.runtime.model_files import eos_token_ids
 from orchestrator.runtime.protocol import (
-    KvEventBatch,
-    KvSnapshot,
     LoadReport,
     ModelCard,
     TokenDelta,
@@ -66,26 +63,19 @@ class _SchedulerLoad(StatLoggerBase):
         pass
 
 
-class VllmWorker:
+class VllmWorker(AggregatedAdapter):
     """One vLLM engine serving one model, role `aggregated`."""
 
+    engine_name = "vLLM"
+
     def __init__(self, engine_args: dict[str, Any], served_name: str) -> None:
+        super().__init__()
         self.engine_args = engine_args
         self.served_name = served_name
         self._llm: AsyncLLM | None = None
-        self._card: ModelCard | None = None
         self._events: ZmqKvEvents | None = None
         self._stats = _SchedulerLoad(None)
         self._dir: str | None = None
-        # Prompt tokens of requests that have not had their first token yet: vLLM's stats
-        # count waiting requests, not their tokens, and the router weighs queued prefill.
-        self._queued_prefill: dict[str, int] = {}
-
-    @property
-    def card(self) -> ModelCard:
-        if self._card is None:
-            raise EngineError("unavailable", "the vLLM worker has not been started", retryable=True)
-        return self._card
 
     async def start(self) -> None:
         if self._llm is not None:
@@ -116,6 +106,7 @@ class VllmWorker:
         if not config.cache_config.enable_prefix_caching:
             log.warning("vLLM runs without prefix caching here: the router gets no KV events")
         self._events = ZmqKvEvents(endpoint, replay, KvMirror(block_size))
+        self._mirror = self._events.mirror
         self._card = _card(llm, self.served_name)
         self._llm = llm
 
@@ -147,7 +138,7 @@ class VllmWorker:
             raise EngineError("invalid_request", str(exc)) from exc
         rid = request.request_id
         maker = DeltaMaker(request)
-        self._queued_prefill[rid] = len(request.token_ids) + len(request.generated_token_ids)
+        self._waiting_first[rid] = len(request.token_ids) + len(request.generated_token_ids)
         try:
             outputs = llm.generate(
                 TokensPrompt(**prompt(request)),
@@ -157,21 +148,14 @@ class VllmWorker:
             )
             # Closing this generator closes vLLM's, which aborts the request and frees its KV.
             async for out in outputs:
-                self._queued_prefill.pop(rid, None)
+                self._waiting_first.pop(rid, None)
                 yield maker.delta(out)
         except EngineError:
             raise
         except Exception as exc:
             raise engine_error(exc) from exc
         finally:
-            self._queued_prefill.pop(rid, None)
-
-    # Disaggregation is not offered (SPEC.roles): nothing is ever held for a transfer.
-    def read_transfer(self, transfer_id: str) -> list[bytes] | None:
-        return None
-
-    def release_transfer(self, transfer_id: str) -> None:
-        pass
+            self._waiting_first.pop(rid, None)
 
     def load(self) -> LoadReport:
         stats = self._stats.stats
@@ -182,19 +166,12 @@ class VllmWorker:
             waiting_requests=stats.num_waiting_reqs + stats.num_skipped_waiting_reqs,
             active_blocks=round(stats.kv_cache_usage * total),
             total_blocks=total,
-            queued_prefill_tokens=sum(self._queued_prefill.values()),
+            queued_prefill_tokens=self.queued_prefill_tokens,
         )
 
-    def take_kv_events(self) -> list[KvEventBatch]:
-        if self._events is None:
-            return []
-        self._events.poll()
-        return self._events.mirror.take_events()
-
-    def kv_snapshot(self) -> KvSnapshot:
-        if self._events is None:
-            return KvSnapshot(worker_id="", event_id=0, blocks={})
-        return self._events.mirror.snapshot()
+    def _poll_events(self) -> None:
+        if self._events is not None:
+            self._events.poll()
 
 
 def engine_error(exc: Exception) -> EngineError:
@@ -231,9 +208,7 @@ def _card(llm: AsyncLLM, served_name: str) -> ModelCard:
         backend="vllm",
         total_kv_blocks=config.cache_config.num_gpu_blocks or 0,
         max_num_seqs=config.scheduler_config.max_num_seqs,
-        eos_token_ids=eos_token_ids(model_dir, Tokenizer.from_file(str(model_dir / "tokenizer.json")))
-        if (model_dir / "tokenizer.json").is_file()
-        else [],
+        eos_token_ids=model_eos_ids(model_dir),
         vocab_size=model.get_vocab_size(),
     )
 

@@ -49,15 +49,10 @@ from orchestrator.runtime.protocol import (
     TokenDelta,
     WorkerRequest,
 )
+from tests.backends.requests import request
 
 PAGE = 4
 TOKENS = list(range(200, 212))  # three pages of 4
-
-
-def request(**kw: object) -> WorkerRequest:
-    fields: dict[str, object] = {"request_id": "r1", "token_ids": [5, 6, 7], "max_tokens": 10}
-    fields.update(kw)
-    return WorkerRequest(**fields)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- requests

@@ -38,16 +38,11 @@ from orchestrator.runtime.protocol import (
     SamplingOptions,
     WorkerRequest,
 )
+from tests.backends.requests import request
 
 BS = 4
 TOKENS = list(range(300, 312))  # three blocks of 4
 EOS = [2, 0]  # SmolLM2's generation_config: <|im_end|>, then <|endoftext|>
-
-
-def request(**kw: object) -> WorkerRequest:
-    fields: dict[str, object] = {"request_id": "r1", "token_ids": [5, 6, 7], "max_tokens": 10}
-    fields.update(kw)
-    return WorkerRequest(**fields)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- requests

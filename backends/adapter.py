@@ -77,6 +77,19 @@ def new_tokens(request: WorkerRequest, engine: str) -> tuple[int, int]:
     return most, max(request.min_tokens - done, 0)
 
 
+# Characters with a meaning in a regex; escaped one by one, because Python's `re.escape` also
+# escapes spaces and other literals that not every engine's grammar backend accepts.
+_REGEX_META = set("\\.^$*+?{}[]|()/")
+
+
+def choice_regex(choices: object) -> str:
+    """A regex matching exactly one of `choices`, for engines without a choice constraint."""
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+        raise EngineError("invalid_request", "a choice constraint needs a non-empty list of strings")
+    literal = ("".join("\\" + ch if ch in _REGEX_META else ch for ch in c) for c in choices)
+    return "(" + "|".join(literal) + ")"
+
+
 def model_eos_ids(model_dir: Path) -> list[int]:
     """The model directory's eos ids, as the frontend reads them (none without tokenizer.json)."""
     path = model_dir / "tokenizer.json"

@@ -22,7 +22,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from backends.adapter import new_tokens
+from backends.adapter import choice_regex, new_tokens
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.protocol import (
     FinishReason,
@@ -39,10 +39,6 @@ _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort":
 
 # SGLang's "top_k off" (sampling_params.py: "-1 (disable)"); 0 is rejected there.
 TOP_K_OFF = -1
-
-# Characters with a meaning in a regex; escaped one by one, because Python's `re.escape`
-# also escapes spaces and other literals that not every SGLang grammar backend accepts.
-_REGEX_META = set("\\.^$*+?{}[]|()/")
 
 
 def generate_kwargs(request: WorkerRequest) -> dict[str, Any]:
@@ -100,17 +96,11 @@ def guided_fields(guided: GuidedSpec) -> dict[str, str]:
     if guided.kind == "json_object":
         return {"json_schema": json.dumps({"type": "object"})}
     if guided.kind == "choice":
-        if not isinstance(value, list) or not value:
-            raise EngineError("invalid_request", "a choice constraint needs a non-empty list of strings")
-        return {"regex": "(" + "|".join(_regex_literal(choice) for choice in value) + ")"}
+        return {"regex": choice_regex(value)}
     if not isinstance(value, str):
         raise EngineError("invalid_request", f"a {guided.kind} constraint needs a string value")
     field = {"json_schema": "json_schema", "regex": "regex", "grammar": "ebnf"}[guided.kind]
     return {field: value}
-
-
-def _regex_literal(text: str) -> str:
-    return "".join("\\" + ch if ch in _REGEX_META else ch for ch in text)
 
 
 def abort_error(finish_reason: Mapping[str, Any]) -> EngineError | None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from backends.adapter import new_tokens
+from backends.adapter import choice_regex, new_tokens
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.protocol import (
     FinishReason,
@@ -109,20 +109,11 @@ def guided_fields(guided: GuidedSpec) -> dict[str, Any]:
     if guided.kind == "json_object":
         return {"json_object": True}
     if guided.kind == "choice":
-        if not isinstance(value, list) or not value:
-            raise EngineError("invalid_request", "a choice constraint needs a non-empty list of strings")
-        return {"regex": "(" + "|".join(_regex_literal(choice) for choice in value) + ")"}
+        return {"regex": choice_regex(value)}
     if not isinstance(value, str):
         raise EngineError("invalid_request", f"a {guided.kind} constraint needs a string value")
     field = {"json_schema": "json", "regex": "regex", "grammar": "grammar"}[guided.kind]
     return {field: value}
-
-
-_REGEX_META = set("\\.^$*+?{}[]|()/")
-
-
-def _regex_literal(text: str) -> str:
-    return "".join("\\" + ch if ch in _REGEX_META else ch for ch in text)
 
 
 class Logprob(Protocol):

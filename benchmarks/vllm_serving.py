@@ -127,7 +127,7 @@ def overhead(model: Path, work: Path, args: argparse.Namespace) -> dict[str, Any
     points = {p["target"]: p for p in result["points"]}
     keep = ("output_token_throughput", *LATENCY)
     return {
-        "ratios": {k: v for k, v in result["ratios"][0].items() if k in ("output_token_throughput", *LATENCY)},
+        "ratios": {k: v for k, v in result["ratios"][0].items() if k in keep},
         **{name: {k: p.get(k) for k in keep} for name, p in points.items()},
     }
 
@@ -153,7 +153,9 @@ def routing(model: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--only", choices=("overhead", "routing"))
     parser.add_argument("--requests", type=int, default=48, help="requests per measured run")
     parser.add_argument("--concurrency", type=int, default=8, help="overhead: requests in flight")

@@ -1,8 +1,8 @@
 """Every example in helm/weir/examples/ deploys only pools that Weir serves at this commit:
 each rendered worker's command line parses with `weir worker`'s real parser, names a backend
 it builds and a role a router serves (the pool's own, as its labels say) and that backend
-serves, and for DeepInfer a model whose architecture it runs; the frontend's parses with `weir frontend`'s, and disaggregates
-when the example has a prefill pool."""
+serves, and for DeepInfer a model whose architecture it runs; the frontend's parses with
+`weir frontend`'s, and disaggregates when the example has a prefill pool."""
 
 from __future__ import annotations
 

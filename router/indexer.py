@@ -6,11 +6,18 @@ holds the early batch back and asks for a resync. A snapshot replaces the worker
 the index as of the snapshot's event id; held-back batches after it are then applied in
 order. A worker never seen before (router start, worker join) also needs a snapshot, unless
 its first batch is batch 1: it is new, and its events from the start are its whole state.
+
+Events lag decisions: a worker stores a prompt's blocks once it has prefilled them and
+publishes them up to one publish interval later, so a prompt repeated right after the first
+would find no worker holding it. A match therefore also counts, past what a worker's events
+show, the blocks of requests routed to it and not yet finished (`inflight`, the router's
+own bookkeeping): they are there, or being computed there, until the request ends, and by
+then its events have long said so (or, for an engine that cached nothing, say nothing).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from orchestrator.runtime.protocol import AllCleared, BlockRemoved, BlockStored, KvEventBatch, KvSnapshot
@@ -35,6 +42,8 @@ class KvIndexer:
         self.joining: set[str] = set()
         self.events_applied = 0
         self.blocks_applied = 0
+        # worker -> blocks of its in-flight requests; the Router shares its LoadTracker's.
+        self.inflight: Mapping[str, Collection[int]] = {}
 
     # ------------------------------------------------------------------ workers
 
@@ -134,7 +143,21 @@ class KvIndexer:
     # ------------------------------------------------------------------ lookups
 
     def find_matches(self, hashes: Sequence[int]) -> Matches:
-        return self.blocks.find_matches(hashes)
+        matches = self.blocks.find_matches(hashes)
+        if not hashes:
+            return matches
+        first, blocks, n = hashes[0], matches.blocks, len(hashes)
+        for worker_id, held in self.inflight.items():
+            # A request's held blocks run from its first, so a prompt sharing none of them
+            # is answered by one lookup.
+            if first not in held:
+                continue
+            depth = blocks.get(worker_id, 0)
+            while depth < n and hashes[depth] in held:
+                depth += 1
+            if depth:
+                blocks[worker_id] = depth
+        return matches
 
     def on_routed(self, worker_id: str, hashes: Sequence[int]) -> None:
         """Events, not decisions, tell this index what workers cache."""

@@ -48,21 +48,22 @@ class LoadTracker:
         # Workers marked draining, kept apart so a decision checks one set, not every worker.
         self.draining: set[str] = set()
         self._requests: dict[str, _Request] = {}
-        # worker -> seq hash -> in-flight requests. A Counter for its C-level `update`; entries
-        # are deleted with dict.pop, as Counter's own __delitem__ is Python code.
-        self._held: dict[str, Counter[int]] = {}
+        # worker -> seq hash -> in-flight requests (the KV index reads it too). A Counter for
+        # its C-level `update`; entries are deleted with dict.pop, as Counter's own
+        # __delitem__ is Python code.
+        self.held: dict[str, Counter[int]] = {}
         self._peers: dict[tuple[str, str], _PeerRequest] = {}
 
     def add_worker(self, worker_id: str, total_blocks: int = 0) -> WorkerLoad:
         load = self.workers.setdefault(worker_id, WorkerLoad(total_blocks=total_blocks))
         load.refresh()
-        self._held.setdefault(worker_id, Counter())
+        self.held.setdefault(worker_id, Counter())
         return load
 
     def remove_worker(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
         self.draining.discard(worker_id)
-        self._held.pop(worker_id, None)
+        self.held.pop(worker_id, None)
         for request_id in [r for r, req in self._requests.items() if req.worker_id == worker_id]:
             del self._requests[request_id]
         for key in [k for k, peer in self._peers.items() if peer.worker_id == worker_id]:
@@ -101,7 +102,7 @@ class LoadTracker:
         total = -(-request.num_tokens // self.block_size)
         tail = max(total - len(hashes), 0)
         self._requests[request.request_id] = _Request(worker_id, hashes, tail)
-        held = self._held[worker_id]
+        held = self.held[worker_id]
         load = self.workers[worker_id]
         before = len(held)
         held.update(hashes)
@@ -125,7 +126,7 @@ class LoadTracker:
             # id was routed again: the blocks counted now belong to the later placement.
             return None
         del self._requests[request_id]
-        held = self._held[worker_id]
+        held = self.held[worker_id]
         freed = request.tail_blocks
         for seq_hash in request.hashes:
             n = held[seq_hash] - 1

@@ -111,6 +111,8 @@ class Router:
         self.block_size = block_size
         self.loads = LoadTracker(router_id or uuid.uuid4().hex, block_size, clock=clock)
         self.workers = self.loads.workers
+        if isinstance(index, KvIndexer):
+            index.inflight = self.loads.held  # covers the lag of workers' KV events
         # Set by the subscriber to share in-flight load with replica routers.
         self.on_inflight: Callable[[InflightUpdate], None] | None = None
         # Set by the frontend's admission control: a report may show a worker with room again.

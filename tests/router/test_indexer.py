@@ -224,3 +224,14 @@ def test_load_report_exposes_a_lost_final_batch() -> None:
     assert indexer.needs_resync() == ["w"]
     assert not indexer.apply_snapshot(KvSnapshot(worker_id="w", event_id=2, blocks={"device": [1, 2]}))
     assert indexer.find_matches([1, 2]).blocks == {"w": 2}
+
+
+def test_in_flight_blocks_count_before_the_workers_events_show_them() -> None:
+    indexer = KvIndexer()
+    indexer.apply_batch(batch("a", 1, BlockStored(blocks=[1, 2])))
+    indexer.apply_batch(batch("b", 1, BlockStored(blocks=[1])))
+    # b is prefilling a request of blocks 1..4 (its events will follow); c one of 7, 8.
+    indexer.inflight = {"a": {}, "b": {1: 1, 2: 1, 3: 1, 4: 1}, "c": {7: 1, 8: 1}}
+    assert indexer.find_matches([1, 2, 3, 9]).blocks == {"a": 2, "b": 3}
+    assert indexer.find_matches([7, 8]).blocks == {"c": 2}
+    assert indexer.find_matches([5]).blocks == {}

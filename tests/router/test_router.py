@@ -221,3 +221,21 @@ def test_metrics_land_in_the_given_registry() -> None:
     assert value("weir_router_chosen_overlap_blocks_total", {"model": "m", "mode": "kv"}) == 4
     assert value("weir_router_kv_events_applied_total", {"model": "m"}) == 1
     assert value("weir_router_decision_seconds_count", {"model": "m", "mode": "kv"}) == 1
+
+
+def test_a_prompt_repeated_before_the_events_arrive_goes_where_the_first_went() -> None:
+    # Weighted above its load (1 per in-flight block), a cached prefix decides the placement.
+    router = make_router("kv", 4, seed=0, metrics=RouterMetrics(CollectorRegistry()), overlap_weight=2.0)
+    for worker in ("a", "b", "c", "d"):
+        router.add_worker(worker)
+        router.apply_kv_batch(KvEventBatch(worker_id=worker, event_id=1, events=[]))
+    prompt = list(range(64))
+    first = router.select(RouteRequest("r1", len(prompt), block_hashes(prompt, 4)))
+    # No KV event yet says where r1's blocks are: the router still knows where it sent r1.
+    again = router.select(RouteRequest("r2", len(prompt), block_hashes(prompt, 4)))
+    assert again.worker_id == first.worker_id and again.overlap_blocks == 16
+    router.on_finish(first.worker_id, "r1")
+    router.on_finish(again.worker_id, "r2")
+    # Both ended and no event ever stored the blocks: nothing is predicted any more.
+    late = router.select(RouteRequest("r3", len(prompt), block_hashes(prompt, 4)))
+    assert late.overlap_blocks == 0

@@ -39,6 +39,13 @@ class RouterMetrics:
             labels,
             registry=r,
         )
+        self.predicted_ttft = Histogram(
+            "weir_router_predicted_ttft_seconds",
+            "ttft mode: the chosen worker's predicted time to first token",
+            labels,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+            registry=r,
+        )
         self.kv_events = Counter(
             "weir_router_kv_events_applied", "KV events applied to the index", ["model"], registry=r
         )

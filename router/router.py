@@ -28,9 +28,10 @@ from router.policies.kv import KvPolicy, OverlapIndex
 from router.policies.least_loaded import LeastLoadedPolicy
 from router.policies.random import RandomPolicy
 from router.policies.round_robin import RoundRobinPolicy
+from router.policies.ttft import TtftPolicy
 from router.protocols import Decision, InflightUpdate, NoWorkerAvailable, RouteRequest, WorkerLoad
 
-MODES = ("kv", "round-robin", "random", "least-loaded", "direct")
+MODES = ("kv", "ttft", "round-robin", "random", "least-loaded", "direct")
 log = logging.getLogger(__name__)
 
 
@@ -42,9 +43,11 @@ def make_policy(
     params: CostParams | None = None,
     seed: int | None = None,
 ) -> Policy:
-    if mode == "kv":
+    if mode in ("kv", "ttft"):
         if index is None:
-            raise ValueError("kv routing needs an index (use make_router)")
+            raise ValueError(f"{mode} routing needs an index (use make_router)")
+        if mode == "ttft":
+            return TtftPolicy(index, block_size, params or CostParams(), seed=seed)
         return KvPolicy(index, block_size, params or CostParams(), seed=seed)
     if mode == "round-robin":
         return RoundRobinPolicy()
@@ -76,7 +79,7 @@ def make_router(
     `clock` (seconds) times prediction and replica-load expiry: trace replay passes virtual time.
     `metrics` defaults to series on prometheus' default registry, labelled with `model`."""
     index: KvIndexer | ApproxIndexer | None = None
-    if mode == "kv":
+    if mode in ("kv", "ttft"):
         index = KvIndexer() if kv_events else ApproxIndexer(approx_ttl_s, approx_max_blocks, clock)
     params = CostParams(**cost_params)
     policy = make_policy(mode, index=index, block_size=block_size, params=params, seed=seed)
@@ -126,6 +129,7 @@ class Router:
         self._prompt_blocks = m.prompt_blocks.labels(model, mode)
         self._chosen_overlap = m.chosen_overlap_blocks.labels(model, mode)
         self._best_overlap = m.best_overlap_blocks.labels(model, mode)
+        self._predicted_ttft = m.predicted_ttft.labels(model, mode) if mode == "ttft" else None
         self._kv_events = m.kv_events.labels(model)
 
     # ------------------------------------------------------------------ workers
@@ -169,6 +173,8 @@ class Router:
         self._prompt_blocks.inc(len(request.block_hashes))
         self._chosen_overlap.inc(decision.overlap_blocks)
         self._best_overlap.inc(decision.best_overlap_blocks)
+        if self._predicted_ttft is not None:  # the ttft policy's cost is its prediction, in ms
+            self._predicted_ttft.observe(decision.cost / 1e3)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "route %s -> %s overlap=%d/%d best=%d cost=%.1f",

@@ -1,4 +1,5 @@
-"""How long a simulated engine step takes.
+"""How long a simulated engine step takes: `router.step_time.StepTime`, the model the router
+predicts with, so simulated and predicted steps are one model.
 
 The default is the polynomial NVIDIA Dynamo's mocker uses, so simulated figures compare
 with Dynamo's: a step's prefill part costs a quadratic in the new (uncached) tokens it
@@ -18,12 +19,7 @@ from pathlib import Path
 
 import msgspec
 
-
-def _poly(coeffs: tuple[float, ...], x: float) -> float:
-    result = 0.0
-    for c in reversed(coeffs):
-        result = result * x + c
-    return result
+from router.step_time import StepTime
 
 
 class _TimingFile(msgspec.Struct, forbid_unknown_fields=True):
@@ -33,27 +29,9 @@ class _TimingFile(msgspec.Struct, forbid_unknown_fields=True):
 
 
 @dataclass(frozen=True, slots=True)
-class TimingModel:
-    # x = new tokens computed in the step, summed over the batch
-    prefill_ms: tuple[float, ...] = (16.50142, 1.518344e-02, 4.209989e-07)
-    # x = fraction of the worker's KV blocks in use
-    decode_ms: tuple[float, ...] = (5.74, 54.01, -25.74)
-    min_decode_ms: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not self.prefill_ms or not self.decode_ms:
-            raise ValueError("a timing model needs at least one prefill and one decode coefficient")
-
-    def prefill(self, num_tokens: int) -> float:
-        return max(0.0, _poly(self.prefill_ms, num_tokens)) if num_tokens else 0.0
-
-    def decode(self, kv_usage: float) -> float:
-        return max(self.min_decode_ms, _poly(self.decode_ms, kv_usage))
-
-    def step_ms(self, prefill_tokens: int, decoding: bool, kv_usage: float) -> float:
-        """A step computing `prefill_tokens` prompt tokens and, if `decoding`, one token for
-        each decoding sequence."""
-        return self.prefill(prefill_tokens) + (self.decode(kv_usage) if decoding else 0.0)
+class TimingModel(StepTime):
+    """The router's step time model (`router.step_time`), plus what only a simulated engine
+    needs: the pipeline of layer-wise KV loads, and curves read from a file."""
 
     @staticmethod
     def with_loads(compute_ms: float, load_ms: float, num_layers: int) -> float:

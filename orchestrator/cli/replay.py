@@ -55,7 +55,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         "--trace-speedup", type=float, default=1.0, help="online: divide trace time by this (default 1)"
     )
     parser.add_argument("--workers", type=int, default=8, help="offline: mocker workers (default 8)")
-    routing = add_router_arguments(parser, MODES[:4], "kv", default_seed=0)
+    routing = add_router_arguments(parser, MODES[:5], "kv", default_seed=0)
     disagg = parser.add_argument_group(
         "offline: disaggregated prefill and decode pools, in place of --workers"
     )

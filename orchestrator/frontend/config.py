@@ -9,7 +9,7 @@ from orchestrator.runtime.request_plane import PlaneSecurity
 from orchestrator.runtime.request_plane.client import DEFAULT_MAX_BACKLOG_BYTES
 from router.disagg import DisaggPolicy
 
-ROUTER_MODES = ("kv", "round-robin", "random", "least-loaded", "remote")
+ROUTER_MODES = ("kv", "ttft", "round-robin", "random", "least-loaded", "remote")
 # What places requests in `remote` mode while the standalone router cannot be reached.
 REMOTE_FALLBACK_MODE = "least-loaded"
 

@@ -8,6 +8,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -15,6 +16,7 @@ from backends.mocker.config import MockerConfig
 from backends.mocker.core import MockerCore
 from backends.registry import DEFAULT_BACKEND, DEFAULT_MODEL
 from tests.cli.procs import stop, wait_banner, wait_healthy, weir_process
+from tests.cluster import metric
 from tests.servers import free_port
 
 # Mocker workers with near-zero step time: these tests are about the CLI and the HTTP surface.
@@ -166,3 +168,20 @@ def test_default_serve_answers_with_deepinfer(tmp_path: Path) -> None:
         )
         assert "Paris" in (reply.choices[0].message.content or "")
         assert stop(proc, signal.SIGTERM) == 0
+
+
+def test_ttft_routing_serves(tmp_path: Path) -> None:
+    port = free_port()
+    log = tmp_path / "serve.log"
+    argv = ["serve", *MOCKER, "--workers", "2", "--router-mode", "ttft", "--port", str(port)]
+    with weir_process(*argv, log=log) as proc:
+        base_url = f"http://127.0.0.1:{port}"
+        wait_healthy(base_url, proc, log)
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=30)
+        for _ in range(3):
+            reply = client.completions.create(model=DEFAULT_MODEL, prompt="Hello " * 200, max_tokens=4)
+            assert reply.usage is not None and reply.usage.completion_tokens == 4
+        metrics = httpx.get(f"{base_url}/metrics", timeout=5).text
+        labels = f'mode="ttft",model="{DEFAULT_MODEL}"'
+        assert metric(metrics, "weir_router_decisions_total", labels) == 3
+        assert metric(metrics, "weir_router_predicted_ttft_seconds_count", labels) == 3

@@ -49,7 +49,7 @@ def chosen(r: ModelRoutes, n: int, exclude: tuple[str, ...] = ()) -> set[str]:
     return asyncio.run(pick())
 
 
-@pytest.mark.parametrize("mode", ["round-robin", "kv", "least-loaded"])
+@pytest.mark.parametrize("mode", ["round-robin", "kv", "ttft", "least-loaded"])
 def test_a_tripped_worker_gets_nothing_until_its_backoff_ends(mode: str) -> None:
     r, clock = routes(mode)
     assert r.trip("w1")

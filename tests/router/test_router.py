@@ -96,7 +96,7 @@ def test_direct_needs_a_live_pinned_worker() -> None:
         router.select(req("c", [1], pinned="nope"))
 
 
-@pytest.mark.parametrize("mode", ["kv", "round-robin", "least-loaded", "random"])
+@pytest.mark.parametrize("mode", ["kv", "ttft", "round-robin", "least-loaded", "random"])
 def test_excluded_workers_are_not_chosen_and_stay_known(mode: str) -> None:
     router = router_with(mode, n=3)
     picked = {router.select(req(str(i), [1, 2]), exclude=["w0", "w2"]).worker_id for i in range(6)}

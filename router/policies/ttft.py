@@ -1,0 +1,84 @@
+"""Routing by predicted time to first token (Mooncake's conductor, FAST'25, for one pool).
+
+For each candidate worker the predicted TTFT of this request is the time the worker needs to
+compute the prefill queued ahead of it and then this prompt's uncached part, in steps of the
+engine's token budget, each beside a decode step while the worker has sequences running:
+
+    ttft(w) = prefill_wait(queued_prefill_tokens(w) + uncached_tokens(w))
+
+with `router.step_time.StepTime`, the model the mocker simulates steps with. The cached part
+is read from the same index and tier credits as the `kv` policy (a lower-tier hit still
+costs a share of its prefill). The worker whose TTFT is lowest takes the request; ties go to
+the one decoding fewer blocks. Its running sequences pay for the prefill too, each waiting
+out the steps it adds: `decode_penalty` (0 by default) adds that delay, weighted, per
+running sequence, for deployments that value inter-token latency over first tokens.
+
+The step model's constants are the engine's (Dynamo's mocker polynomial by default, or a
+fitted one), never tuned to a workload: the policy has no weight of its own to tune.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+
+from router.cost import CostParams, busy, cached_blocks, choose
+from router.policies.kv import OverlapIndex
+from router.protocols import Decision, RouteRequest, WorkerLoad
+from router.step_time import StepTime
+
+
+class TtftPolicy:
+    def __init__(
+        self,
+        index: OverlapIndex,
+        block_size: int,
+        params: CostParams,
+        step_time: StepTime | None = None,
+        step_tokens: int = 8192,
+        decode_penalty: float = 0.0,
+        seed: int | None = None,
+    ) -> None:
+        self.index = index
+        self.block_size = block_size
+        self.params = params
+        self.step_time = step_time or StepTime()
+        self.step_tokens = step_tokens
+        self.decode_penalty = decode_penalty
+        self._rng = random.Random(seed)
+
+    def predicted_ttft_ms(self, uncached_tokens: float, load: WorkerLoad) -> float:
+        """This worker's predicted TTFT for a prompt of `uncached_tokens` still to compute."""
+        tokens = load.prefill_tokens + max(round(uncached_tokens), 0)
+        decoding = load.requests > 0
+        ttft = self.step_time.prefill_wait_ms(tokens, self.step_tokens, decoding, load.kv_usage)
+        if self.decode_penalty and decoding:
+            own = self.step_time.prefill_wait_ms(round(uncached_tokens), self.step_tokens, False, 0.0)
+            ttft += self.decode_penalty * own * load.requests
+        return ttft
+
+    def select(self, request: RouteRequest, workers: Mapping[str, WorkerLoad]) -> Decision:
+        matches = self.index.find_matches(request.block_hashes)
+        saturated = busy(list(workers.values()), self.params)
+        if any(saturated) and not all(saturated):  # all busy: queue on the fastest, not fail
+            workers = {
+                w: load for (w, load), full in zip(workers.items(), saturated, strict=True) if not full
+            }
+        hits, lower = matches.blocks, matches.lower
+        pool = list(workers)
+        predicted: list[float] = []
+        for worker_id, load in workers.items():
+            n = hits.get(worker_id, 0)
+            cached = cached_blocks(n, lower[worker_id], self.params) if worker_id in lower else n
+            uncached = request.num_tokens - cached * self.block_size
+            predicted.append(self.predicted_ttft_ms(uncached, load))
+        active: Sequence[int] = [load.blocks for load in workers.values()]
+        index = choose(predicted, active, 0.0, self._rng)
+        chosen = pool[index]
+        self.index.on_routed(chosen, request.block_hashes)
+        return Decision(
+            worker_id=chosen,
+            overlap_blocks=hits.get(chosen, 0),
+            cost=predicted[index],
+            best_overlap_blocks=max(hits.values(), default=0),
+        )

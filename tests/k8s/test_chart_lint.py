@@ -93,3 +93,18 @@ def test_validator_catches_a_broken_manifest(helm_bin: str) -> None:
     deployment["spec"]["template"]["spec"]["containers"][0]["resource"] = {}  # typo of "resources"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, K8S_VERSIONS[0], strict=True)
+
+
+def test_the_schemas_router_modes_are_the_commands_choices() -> None:
+    """A mode the chart offers is one its command serves, and every one they serve is offered."""
+    import json
+
+    from orchestrator.frontend.config import ROUTER_MODES
+    from router.router import MODES
+
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]
+    # `remote` is the chart's router.enabled, not a frontend routerMode.
+    assert schema["frontend"]["properties"]["routerMode"]["enum"] == [
+        m for m in ROUTER_MODES if m != "remote"
+    ]
+    assert schema["router"]["properties"]["routerMode"]["enum"] == list(MODES)

@@ -9,9 +9,8 @@ engine's token budget, each beside a decode step while the worker has sequences 
 with `router.step_time.StepTime`, the model the mocker simulates steps with. The cached part
 is read from the same index and tier credits as the `kv` policy (a lower-tier hit still
 costs a share of its prefill). The worker whose TTFT is lowest takes the request; ties go to
-the one decoding fewer blocks. Its running sequences pay for the prefill too, each waiting
-out the steps it adds: `decode_penalty` (0 by default) adds that delay, weighted, per
-running sequence, for deployments that value inter-token latency over first tokens.
+the one decoding fewer blocks. The decode slowdown the prefill causes the worker's running
+sequences is not weighed yet.
 
 The step model's constants are the engine's (Dynamo's mocker polynomial by default, or a
 fitted one), never tuned to a workload: the policy has no weight of its own to tune.
@@ -36,7 +35,6 @@ class TtftPolicy:
         params: CostParams,
         step_time: StepTime | None = None,
         step_tokens: int = 8192,
-        decode_penalty: float = 0.0,
         seed: int | None = None,
     ) -> None:
         self.index = index
@@ -44,18 +42,12 @@ class TtftPolicy:
         self.params = params
         self.step_time = step_time or StepTime()
         self.step_tokens = step_tokens
-        self.decode_penalty = decode_penalty
         self._rng = random.Random(seed)
 
     def predicted_ttft_ms(self, uncached_tokens: float, load: WorkerLoad) -> float:
         """This worker's predicted TTFT for a prompt of `uncached_tokens` still to compute."""
         tokens = load.prefill_tokens + max(round(uncached_tokens), 0)
-        decoding = load.requests > 0
-        ttft = self.step_time.prefill_wait_ms(tokens, self.step_tokens, decoding, load.kv_usage)
-        if self.decode_penalty and decoding:
-            own = self.step_time.prefill_wait_ms(round(uncached_tokens), self.step_tokens, False, 0.0)
-            ttft += self.decode_penalty * own * load.requests
-        return ttft
+        return self.step_time.prefill_wait_ms(tokens, self.step_tokens, load.requests > 0, load.kv_usage)
 
     def select(self, request: RouteRequest, workers: Mapping[str, WorkerLoad]) -> Decision:
         matches = self.index.find_matches(request.block_hashes)

@@ -94,6 +94,15 @@ def busy(loads: Sequence[WorkerLoad], params: CostParams) -> list[bool]:
     return [load.kv_usage > fraction for load in loads]
 
 
+def available(workers: Mapping[str, WorkerLoad], params: CostParams) -> Mapping[str, WorkerLoad]:
+    """The workers that are not busy, or all of them when every one is: a request then queues
+    on the cheapest rather than failing."""
+    saturated = busy(list(workers.values()), params)
+    if any(saturated) and not all(saturated):
+        return {w: load for (w, load), full in zip(workers.items(), saturated, strict=True) if not full}
+    return workers
+
+
 def choose(costs: Sequence[float], loads: Sequence[int], temperature: float, rng: random.Random) -> int:
     """Index of the chosen candidate (`costs` is not empty)."""
     if temperature > 0:

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from router.block_index import Matches
-from router.cost import CostParams, busy, cached_blocks, choose, costs
+from router.cost import CostParams, available, cached_blocks, choose, costs
 from router.protocols import Decision, RouteRequest, WorkerLoad
 
 
@@ -36,11 +36,7 @@ class KvPolicy:
     def select(self, request: RouteRequest, workers: Mapping[str, WorkerLoad]) -> Decision:
         matches = self.index.find_matches(request.block_hashes)
         params = self.params
-        saturated = busy(list(workers.values()), params)
-        if any(saturated) and not all(saturated):  # all busy: queue on the cheapest, not fail
-            workers = {
-                w: load for (w, load), full in zip(workers.items(), saturated, strict=True) if not full
-            }
+        workers = available(workers, params)
         pool = list(workers)
         active = [load.blocks for load in workers.values()]
         # Only the few workers holding part of the prompt get a hit term; pool.index is a

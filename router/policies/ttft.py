@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 
-from router.cost import CostParams, busy, cached_blocks, choose
+from router.cost import CostParams, available, cached_blocks, choose
 from router.policies.kv import OverlapIndex
 from router.protocols import Decision, RouteRequest, WorkerLoad
 from router.step_time import StepTime
@@ -51,11 +51,7 @@ class TtftPolicy:
 
     def select(self, request: RouteRequest, workers: Mapping[str, WorkerLoad]) -> Decision:
         matches = self.index.find_matches(request.block_hashes)
-        saturated = busy(list(workers.values()), self.params)
-        if any(saturated) and not all(saturated):  # all busy: queue on the fastest, not fail
-            workers = {
-                w: load for (w, load), full in zip(workers.items(), saturated, strict=True) if not full
-            }
+        workers = available(workers, self.params)
         hits, lower = matches.blocks, matches.lower
         pool = list(workers)
         predicted: list[float] = []

@@ -251,7 +251,7 @@ class ZmqKvEvents:
         self._ctx: Any = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sub.connect(endpoint)  # before the engine binds: zmq connects once it does
+        self._sub.connect(endpoint)  # before or after the engine binds: zmq connects when it can
         self._replay_endpoint = replay_endpoint
         self._next_seq = 0
         self.bad_frames = 0

@@ -1,9 +1,10 @@
 """`VllmWorker`: vLLM's `AsyncLLM` behind Weir's `Engine` protocol.
 
 vLLM runs its engine core (scheduler, KV cache, model) in processes of its own; `AsyncLLM`
-is the client in this one. `start()` connects a `ZmqKvEvents` subscriber to ipc:// endpoints
-in a private directory, then starts vLLM publishing its KV events there, so the router's
-index follows vLLM's own cache, evictions included. Load comes from a stat logger vLLM calls
+is the client in this one. `start()` has vLLM publish its KV events on ipc:// endpoints in a
+private directory and, once vLLM has chosen its block size, subscribes a `ZmqKvEvents` there
+(nothing is cached before the first request; a frame missed anyway is replayed), so the
+router's index follows vLLM's own cache, evictions included. Load comes from a stat logger vLLM calls
 with its scheduler's stats after each step; vLLM's own periodic stat lines stay off.
 """
 

@@ -22,7 +22,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_kv_events_steer_a_repeated_prefix_to_its_worker(model_dir: Path) -> None:
-    with live_frontend(model_dir, num_workers=2, tcp=True, router_mode="kv") as live:
+    # Weighted 2, a prefix hit outweighs the blocks of a request that just ended on its worker:
+    # a load report from before its end may still stand when the next request is routed (the
+    # 1:1 default then prices the warm worker above the cold one, as a busy CI machine showed).
+    params = {"overlap_weight": 2.0}
+    with live_frontend(model_dir, num_workers=2, tcp=True, router_mode="kv", router_params=params) as live:
         client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=30)
         prefix = "The scheduler batches prefill chunks and decode steps together. " * 20
         client.completions.create(model=MODEL, prompt=prefix + "First.", max_tokens=2, extra_body=FIXED)

@@ -54,6 +54,22 @@ def engine_fields(what: str, owned: Mapping[str, str]) -> Callable[[str], dict[s
     return parse
 
 
+def prompt_tokens(request: WorkerRequest) -> list[int]:
+    """What the engine prefills: the prompt, then any tokens an earlier worker generated."""
+    return [*request.token_ids, *request.generated_token_ids]
+
+
+def block_size_mismatch(engine: str, chosen: int, wanted: int | None) -> str | None:
+    """Why the engine cannot serve, if it chose another block size than --block-size asked:
+    the router hashes prompts at the card's block size."""
+    if wanted is None or wanted == chosen:
+        return None
+    return (
+        f"{engine} chose block size {chosen}, not --block-size {wanted}: the router hashes "
+        "prompts at the card's block size, so they must be equal"
+    )
+
+
 def new_tokens(request: WorkerRequest, engine: str) -> tuple[int, int]:
     """(most, fewest) tokens the engine is to generate for `request`, less any an earlier worker
     generated (migration). Refuses, as `invalid_request`, what no adapter serves: a

@@ -26,7 +26,7 @@ from typing import Any
 
 import sglang
 
-from backends.adapter import AggregatedAdapter, model_eos_ids
+from backends.adapter import AggregatedAdapter, block_size_mismatch, model_eos_ids
 from backends.kv_events import KvMirror, ZmqKvEvents
 from backends.sglang.params import DeltaMaker, generate_kwargs
 from orchestrator.runtime.engine import DeltaStream
@@ -78,14 +78,10 @@ class SglangWorker(AggregatedAdapter):
         # Off the main thread SGLang also leaves this process's signal handlers alone.
         engine = await asyncio.to_thread(sglang.Engine, **args)
         page_size = engine.server_args.page_size
-        wanted = self.server_args.get("page_size")
-        if wanted is not None and wanted != page_size:
+        mismatch = block_size_mismatch("SGLang", page_size, self.server_args.get("page_size"))
+        if mismatch is not None:
             engine.shutdown()
-            raise EngineError(
-                "internal",
-                f"SGLang chose page size {page_size}, not --block-size {wanted}: the router "
-                "hashes prompts at the card's block size, so they must be equal",
-            )
+            raise EngineError("internal", mismatch)
         if engine.server_args.disable_radix_cache:
             log.warning("SGLang runs without its radix cache here: the router gets no KV events")
         _start_output_loop(engine.tokenizer_manager)

@@ -22,7 +22,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from backends.adapter import choice_regex, new_tokens
+from backends.adapter import choice_regex, new_tokens, prompt_tokens
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.protocol import (
     FinishReason,
@@ -44,7 +44,7 @@ TOP_K_OFF = -1
 def generate_kwargs(request: WorkerRequest) -> dict[str, Any]:
     """The keyword arguments of `Engine.async_generate` for `request` (but `stream`)."""
     kwargs: dict[str, Any] = {
-        "input_ids": [*request.token_ids, *request.generated_token_ids],
+        "input_ids": prompt_tokens(request),
         "sampling_params": sampling_params(request),
         "rid": request.request_id,
         "priority": request.priority,

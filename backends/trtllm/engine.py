@@ -23,9 +23,9 @@ from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm.llmapi import KvCacheConfig
 from tensorrt_llm.sampling_params import GuidedDecodingParams
 
-from backends.adapter import AggregatedAdapter, model_eos_ids
+from backends.adapter import AggregatedAdapter, block_size_mismatch, model_eos_ids, prompt_tokens
 from backends.kv_events import KvMirror
-from backends.trtllm.params import DeltaMaker, kv_fields, priority, prompt, sampling_kwargs
+from backends.trtllm.params import DeltaMaker, kv_fields, priority, sampling_kwargs
 from orchestrator.runtime.engine import DeltaStream
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.protocol import (
@@ -76,13 +76,10 @@ class TrtllmWorker(AggregatedAdapter):
         llm = await asyncio.to_thread(LLM, **args)
         block_size = llm.args.kv_cache_config.tokens_per_block
         wanted = self.llm_args.get("kv_cache_config", {}).get("tokens_per_block")
-        if wanted is not None and wanted != block_size:
+        mismatch = block_size_mismatch("TensorRT-LLM", block_size, wanted)
+        if mismatch is not None:
             llm.shutdown()
-            raise EngineError(
-                "internal",
-                f"TensorRT-LLM chose {block_size} tokens per block, not --block-size {wanted}: the "
-                "router hashes prompts at the card's block size, so they must be equal",
-            )
+            raise EngineError("internal", mismatch)
         self._card = _card(llm, model_dir, self.served_name, block_size)
         self._mirror = KvMirror(block_size)
         self._llm = llm
@@ -138,12 +135,13 @@ class TrtllmWorker(AggregatedAdapter):
         if request.cache_salt:
             extra["cache_salt"] = request.cache_salt
         rid = request.request_id
+        tokens = prompt_tokens(request)
         maker = DeltaMaker(request)
         result = None
         finished = False
-        self._waiting_first[rid] = len(prompt(request))
+        self._waiting_first[rid] = len(tokens)
         try:
-            result = llm.generate_async(prompt(request), sampling_params=params, streaming=True, **extra)
+            result = llm.generate_async(tokens, sampling_params=params, streaming=True, **extra)
             async for out in result:
                 self._waiting_first.pop(rid, None)
                 delta = maker.delta(out)

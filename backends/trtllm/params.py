@@ -46,12 +46,6 @@ _FINISH: dict[str, FinishReason] = {
 _CACHE_LEVELS: dict[int, str] = {0: "GPU", 1: "CPU"}
 
 
-def prompt(request: WorkerRequest) -> list[int]:
-    """The token ids `generate_async` takes as `inputs`: the prompt, then any tokens an
-    earlier worker generated."""
-    return [*request.token_ids, *request.generated_token_ids]
-
-
 def priority(request: WorkerRequest) -> float:
     """TensorRT-LLM's request priority, a float in [0, 1], higher first, 0.5 by default; Weir's
     is an integer, lower first, 0 by default. The map is monotonic and keeps 0 at 0.5."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from backends.adapter import new_tokens
+from backends.adapter import new_tokens, prompt_tokens
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.protocol import (
     FinishReason,
@@ -44,7 +44,7 @@ _FINISH: dict[str, FinishReason] = {
 
 def prompt(request: WorkerRequest) -> dict[str, Any]:
     """vLLM's TokensPrompt: the prompt, then any tokens an earlier worker generated."""
-    out: dict[str, Any] = {"prompt_token_ids": [*request.token_ids, *request.generated_token_ids]}
+    out: dict[str, Any] = {"prompt_token_ids": prompt_tokens(request)}
     if request.cache_salt:
         out["cache_salt"] = request.cache_salt
     return out

@@ -29,7 +29,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import SchedulerStats
 
-from backends.adapter import AggregatedAdapter, model_eos_ids
+from backends.adapter import AggregatedAdapter, block_size_mismatch, model_eos_ids
 from backends.kv_events import KvMirror, ZmqKvEvents
 from backends.vllm.params import DeltaMaker, prompt, sampling_kwargs
 from orchestrator.runtime.engine import DeltaStream
@@ -96,14 +96,10 @@ class VllmWorker(AggregatedAdapter):
         )
         config = llm.vllm_config
         block_size = config.cache_config.block_size
-        wanted = self.engine_args.get("block_size")
-        if wanted is not None and wanted != block_size:
+        mismatch = block_size_mismatch("vLLM", block_size, self.engine_args.get("block_size"))
+        if mismatch is not None:
             llm.shutdown()
-            raise EngineError(
-                "internal",
-                f"vLLM chose block size {block_size}, not --block-size {wanted}: the "
-                "router hashes prompts at the card's block size, so they must be equal",
-            )
+            raise EngineError("internal", mismatch)
         if not config.cache_config.enable_prefix_caching:
             log.warning("vLLM runs without prefix caching here: the router gets no KV events")
         self._events = ZmqKvEvents(endpoint, replay, KvMirror(block_size))

@@ -25,10 +25,11 @@ from pathlib import Path
 
 import pytest
 
+from backends.adapter import prompt_tokens
 from backends.kv_events import KvMirror
 from backends.registry import add_backend_arguments, backend_spec
 from backends.trtllm.args import trtllm_llm_args
-from backends.trtllm.params import DeltaMaker, kv_fields, priority, prompt, sampling_kwargs
+from backends.trtllm.params import DeltaMaker, kv_fields, priority, sampling_kwargs
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.hashing import block_hashes
 from orchestrator.runtime.protocol import (
@@ -91,7 +92,7 @@ def test_ignore_eos_keeps_the_other_eos_ids_out_of_the_stop_tokens() -> None:
 
 def test_migration_prefills_generated_tokens_and_counts_them_as_output() -> None:
     req = request(max_tokens=10, min_tokens=5, generated_token_ids=[40, 41, 42])
-    assert prompt(req) == [5, 6, 7, 40, 41, 42]
+    assert prompt_tokens(req) == [5, 6, 7, 40, 41, 42]
     kwargs = sampling_kwargs(req, EOS)
     assert (kwargs["max_tokens"], kwargs["min_tokens"]) == (7, 2)
 

@@ -185,3 +185,23 @@ async def test_migration_continues_the_greedy_text(worker: VllmWorker) -> None:
     rest = await run(worker, request("m2", tokens, max_tokens=8, generated_token_ids=whole[:3]))
     assert [t for d in rest for t in d.token_ids] == whole[3:]
     assert rest[-1].usage is not None and rest[-1].usage.completion_tokens == 8
+
+
+def test_vllms_failures_become_weirs_error_codes() -> None:
+    """On vLLM's own exception types (no engine needed): whether another worker may retry."""
+    from vllm.exceptions import QueueOverflowError, RetryableRequestError, VLLMValidationError
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from backends.vllm.worker import engine_error
+
+    cases = {
+        VLLMValidationError("Token id 10 is out of vocabulary"): ("invalid_request", False),
+        ValueError("max_tokens must be at least 1"): ("invalid_request", False),
+        QueueOverflowError(): ("overloaded", True),
+        EngineDeadError(): ("unavailable", True),
+        RetryableRequestError(): ("internal", True),
+        RuntimeError("boom"): ("internal", False),
+    }
+    for exc, expected in cases.items():
+        error = engine_error(exc)
+        assert (error.code, error.retryable) == expected, exc

@@ -23,20 +23,16 @@ import argparse
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from models import MODELS, deepinfer_model  # noqa: E402
+from servers import free_port, serving  # noqa: E402
 
 TRACE_BLOCK = 64
 KEEP = ("completed", "failed", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms")
@@ -59,12 +55,6 @@ def mixed_trace(path: Path, args: argparse.Namespace, rng: random.Random) -> Non
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def serve_and_bench(flags: list[str], model: Path, trace: Path, log: Path) -> dict[str, object]:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -79,33 +69,13 @@ def serve_and_bench(flags: list[str], model: Path, trace: Path, log: Path) -> di
         str(model),
     ]
     cmd += ["--device", "cpu", "--port", str(port), *flags]
-    with log.open("wb") as out:
-        server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"weir serve exited; see {log}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"weir serve did not become healthy; see {log}")
-            time.sleep(0.2)
+    url = f"http://127.0.0.1:{port}"
+    with serving(cmd, f"{url}/health", log, env, ROOT, timeout=300):
         bench = [sys.executable, "-m", "orchestrator.cli.main", "bench", "--url", url, "--workload", "trace"]
         bench += ["--trace", str(trace), "--trace-block-size", str(TRACE_BLOCK), "--vocab-size", "400"]
         done = subprocess.run(bench, capture_output=True, text=True, env=env, cwd=ROOT, check=True)
-        point = json.loads(done.stdout.strip().splitlines()[-1])["points"][0]
-        return {k: point.get(k) for k in KEEP}
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+    point = json.loads(done.stdout.strip().splitlines()[-1])["points"][0]
+    return {k: point.get(k) for k in KEEP}
 
 
 def main() -> None:

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import time
 from pathlib import Path
 
 import httpx
+from servers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = {
@@ -35,12 +35,6 @@ QUESTION = {
     "temperature": 0,
     "max_tokens": 8,
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def export(rev: str, dest: Path) -> None:

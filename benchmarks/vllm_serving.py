@@ -24,29 +24,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from servers import free_port, serving  # noqa: E402
+
 BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 LATENCY = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def engine_args(blocks: int) -> dict[str, Any]:
@@ -60,37 +52,11 @@ def engine_args(blocks: int) -> dict[str, Any]:
     }
 
 
-@contextmanager
-def server(cmd: list[str], health: str, log: Path) -> Iterator[None]:
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT)
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{cmd[2]} exited; see {log}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(health, timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{cmd[2]} did not become healthy; see {log}")
-            time.sleep(0.5)
-        yield
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 def weir_serve(model: Path, port: int, blocks: int, log: Path, *flags: str) -> Any:
     cmd = [sys.executable, "-m", "orchestrator.cli.main", "serve", "--backend", "vllm"]
     cmd += ["--model", str(model), "--served-model-name", "smollm2", "--port", str(port)]
     cmd += ["--block-size", str(BLOCK_SIZE), "--vllm-engine-args", json.dumps(engine_args(blocks)), *flags]
-    return server(cmd, f"http://127.0.0.1:{port}/health", log)
+    return serving(cmd, f"http://127.0.0.1:{port}/health", log, ENV, ROOT)
 
 
 def vllm_serve(model: Path, port: int, blocks: int, log: Path) -> Any:
@@ -100,7 +66,7 @@ def vllm_serve(model: Path, port: int, blocks: int, log: Path) -> Any:
     for name, value in engine_args(blocks).items():
         flag = "--" + name.replace("_", "-")
         cmd += [flag] if value is True else [flag, str(value)]
-    return server(cmd, f"http://127.0.0.1:{port}/health", log)
+    return serving(cmd, f"http://127.0.0.1:{port}/health", log, ENV, ROOT)
 
 
 def bench(url: str, out: Path, *flags: str) -> dict[str, Any]:
@@ -164,7 +130,6 @@ def main() -> None:
         "--blocks", type=int, default=80, help="routing: KV blocks per worker (8 prefixes need 128)"
     )
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT))
     from backends.deepinfer.smollm2 import ensure_default_model
 
     model = ensure_default_model()

@@ -49,7 +49,7 @@ from orchestrator.runtime.protocol import (
     TokenDelta,
     WorkerRequest,
 )
-from tests.backends.requests import request
+from tests.backends.requests import request, wait_stored
 
 PAGE = 4
 TOKENS = list(range(200, 212))  # three pages of 4
@@ -372,7 +372,6 @@ async def test_the_real_engine_streams_and_reports_its_cache() -> None:
         )
     from backends.deepinfer.smollm2 import ensure_default_model
     from backends.sglang.engine import SglangWorker
-    from tests.waiting import eventually
 
     model = ensure_default_model()
     args = {"model_path": str(model), "page_size": PAGE, "mem_fraction_static": 0.3}
@@ -394,14 +393,6 @@ async def test_the_real_engine_streams_and_reports_its_cache() -> None:
         deltas = [d async for d in stream]
         assert sum(len(d.token_ids) for d in deltas) == 4 and deltas[-1].finish_reason == "length"
         assert deltas[-1].usage is not None and deltas[-1].usage.completion_tokens == 4
-        weir = set(block_hashes(tokens, PAGE))
-        seen: set[int] = set()
-
-        def mirrored() -> bool:
-            for batch in worker.take_kv_events():
-                seen.update(h for e in batch.events if isinstance(e, BlockStored) for h in e.blocks)
-            return weir <= seen
-
-        await eventually(mirrored, timeout=10.0)
+        await wait_stored(worker, block_hashes(tokens, PAGE))
     finally:
         await worker.stop()

@@ -39,7 +39,7 @@ from orchestrator.runtime.protocol import (
     SamplingOptions,
     WorkerRequest,
 )
-from tests.backends.requests import request
+from tests.backends.requests import request, wait_stored
 
 BS = 4
 TOKENS = list(range(300, 312))  # three blocks of 4
@@ -351,7 +351,6 @@ async def test_the_real_engine_streams_and_reports_its_cache() -> None:
         pytest.skip("tensorrt_llm is not installed: it needs NVIDIA GPUs (pip install tensorrt-llm)")
     from backends.deepinfer.smollm2 import ensure_default_model
     from backends.trtllm.engine import TrtllmWorker
-    from tests.waiting import eventually
 
     model = ensure_default_model()
     worker = TrtllmWorker(
@@ -371,14 +370,6 @@ async def test_the_real_engine_streams_and_reports_its_cache() -> None:
         )
         deltas = [d async for d in worker.generate(req)]
         assert sum(len(d.token_ids) for d in deltas) == 4 and deltas[-1].finish_reason == "length"
-        weir = set(block_hashes(tokens, 32))
-        seen: set[int] = set()
-
-        def mirrored() -> bool:
-            for batch in worker.take_kv_events():
-                seen.update(h for e in batch.events if isinstance(e, BlockStored) for h in e.blocks)
-            return weir <= seen
-
-        await eventually(mirrored, timeout=10.0)
+        await wait_stored(worker, block_hashes(tokens, 32))
     finally:
         await worker.stop()

@@ -18,7 +18,6 @@ import math
 import random
 import statistics
 import sys
-from array import array
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import msgspec
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -92,17 +92,15 @@ class TraceTokens:
         self.vocab_size = vocab_size
         self._block = lru_cache(maxsize=16_384)(self._make_block)
 
-    def _make_block(self, hash_id: int) -> array[int]:
+    def _make_block(self, hash_id: int) -> np.ndarray:
         bits = random.Random(hash_id).getrandbits(32 * self.trace_block_size)
-        words = array("I", bits.to_bytes(4 * self.trace_block_size, "little"))
-        return array("I", (w % self.vocab_size for w in words))
+        words = np.frombuffer(bits.to_bytes(4 * self.trace_block_size, "little"), dtype=np.uint32)
+        return words % self.vocab_size
 
     def prompt(self, request: TraceRequest) -> list[int]:
-        tokens = array("I")
-        for hash_id in request.hash_ids:
-            tokens.extend(self._block(hash_id))
-        del tokens[request.input_length :]
-        return tokens.tolist()
+        blocks = [self._block(hash_id) for hash_id in request.hash_ids]
+        tokens: list[int] = np.concatenate(blocks)[: request.input_length].tolist()
+        return tokens
 
 
 # ---------------------------------------------------------------------------- results

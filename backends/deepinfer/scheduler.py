@@ -227,6 +227,44 @@ class Scheduler:
             self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         return results
 
+    # ------------------------------------------------------------------ decode stretches
+
+    def decode_stretch(self) -> int:
+        """How many of the next steps are one and the same decode step: every running sequence
+        decodes a token, nobody waits to be admitted, and no step allocates a block, fills
+        one or ends a sequence by its length. A simulator takes such a stretch at once
+        (`advance`), since nothing in it changes but the tokens; 0 when the next step is any
+        other. Stops on a token (EOS, stop ids) are the caller's to rule out: only it knows
+        the tokens before they are sampled."""
+        running = self.running
+        if self.waiting or self.loading or not running or len(running) > self.max_num_batched_tokens:
+            return 0
+        block_size, limit = self.block_size, self.max_model_len
+        steps = limit or 1 << 62
+        for seq in running:
+            length, computed = len(seq.token_ids), seq.num_computed_tokens
+            if length - computed != 1 or length <= seq.num_prompt_tokens:
+                return 0  # still prefilling
+            # Step j (from 1) writes token computed + j - 1: it allocates past the table's
+            # last slot, fills a block when computed + j completes one, and ends the sequence
+            # when its generated count or the context length reaches its limit.
+            steps = min(
+                steps,
+                len(seq.block_table) * block_size - computed,
+                (seq.num_registered_blocks + 1) * block_size - computed - 1,
+                seq.request.max_tokens - (length - seq.num_prompt_tokens) - 1,
+            )
+            if limit:
+                steps = min(steps, limit - length - 1)
+        return max(steps, 0)
+
+    def advance(self, steps: int, tokens: Seq[Seq[int]]) -> None:
+        """Take `steps` decode steps at once, `decode_stretch` having said they are alike:
+        `tokens` holds each running sequence's `steps` new tokens, in `running` order."""
+        for seq, new in zip(self.running, tokens, strict=True):
+            seq.token_ids += new
+            seq.num_computed_tokens += steps
+
     # ------------------------------------------------------------------ helpers
 
     def _key(self, seq: Sequence) -> tuple[int, int]:

@@ -167,7 +167,7 @@ class MockerCore:
         prefill_tokens = 0
         decoding = False
         sampled: list[SampledToken] = []
-        requests, vocab_size, eos_ids = self._requests, self.config.vocab_size, self._eos_ids
+        requests = self._requests
         for chunk in out.chunks:
             seq = chunk.seq
             length = len(seq.token_ids)
@@ -180,9 +180,7 @@ class MockerCore:
                 if length - seq.num_prompt_tokens + 1 == eos_at:
                     token = self._eos
                 else:
-                    token = _token(seed, length, vocab_size)
-                    while token in eos_ids:  # only the drawn length ends a request
-                        token = (token + 1) % vocab_size
+                    token = self._draw(seed, length)
                 sampled.append(SampledToken(token))
         duration = self.timing.with_loads(
             self.timing.step_ms(prefill_tokens, decoding, self.kv_cache.usage),
@@ -206,6 +204,48 @@ class MockerCore:
             else:
                 outputs.append(RequestOutput(seq.request_id, token_ids))
         return StepResult(duration, outputs)
+
+    def _draw(self, seed: int, position: int) -> int:
+        token = _token(seed, position, self.config.vocab_size)
+        while token in self._eos_ids:  # only the drawn length ends a request
+            token = (token + 1) % self.config.vocab_size
+        return token
+
+    # ------------------------------------------------------------------ decode stretches
+
+    def decode_stretch(self) -> tuple[int, float]:
+        """(steps, ms each): how many of the next steps are the same decode step, which a
+        simulation in virtual time may take at once (`advance`); (0, 0.0) when the next step
+        is not one. The scheduler rules out every change but EOS, which falls here at the
+        length drawn for each request; a request with stop ids ends on tokens nobody has
+        drawn yet, so it steps one at a time."""
+        steps = self.scheduler.decode_stretch()
+        if steps < 2:
+            return 0, 0.0
+        for seq in self.scheduler.running:
+            if seq.request.stop_token_ids:
+                return 0, 0.0
+            eos_at = self._requests[seq.request_id][1]
+            if eos_at:
+                steps = min(steps, eos_at - seq.num_completion_tokens - 1)
+        if steps < 2:
+            return 0, 0.0
+        return steps, self.timing.step_ms(0, True, self.kv_cache.usage)
+
+    def advance(self, steps: int, step_ms: float) -> StepResult:
+        """Take `steps` steps of `step_ms` that `decode_stretch` found alike: one output per
+        running sequence with its `steps` tokens, as that many calls of `step` would give."""
+        running = self.scheduler.running
+        requests, draw = self._requests, self._draw
+        tokens = []
+        for seq in running:
+            seed, length = requests[seq.request_id][0], len(seq.token_ids)
+            tokens.append([draw(seed, position) for position in range(length, length + steps)])
+        self.scheduler.advance(steps, tokens)
+        for _ in range(steps):
+            self.clock_ms += step_ms
+        outputs = [RequestOutput(seq.request_id, new) for seq, new in zip(running, tokens, strict=True)]
+        return StepResult(steps * step_ms, outputs)
 
     # ------------------------------------------------------------------ observability
 

@@ -5,7 +5,10 @@ the router exactly as the frontend would route them; each worker is a `MockerCor
 steps whenever it has work, its clock advancing by the step's simulated duration. What a
 step produced (tokens, KV events, a load report) becomes visible when the step ends; KV
 events reach the router `kv_event_delay_ms` later, as they would over the event plane.
-Nothing sleeps, so an hour of traffic replays in seconds.
+Nothing sleeps, so an hour of traffic replays in seconds. Most steps of a lightly loaded
+worker are the same decode step over and over; a run of them up to the next change (a block
+filling, a request ending, an arrival) is one event (`MockerCore.decode_stretch`), with the
+outputs and times that stepping each would give.
 
 Disaggregation (`prefill_router` and `num_prefill_workers`): a second pool of mockers takes
 the prefills the policy (`router.disagg`, the frontend's own) sends there, as the frontend's
@@ -21,6 +24,7 @@ package stays below the backends and imports none of them.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import count
@@ -83,7 +87,10 @@ class OfflineReplay:
         prefill_router: Router | None = None,
         num_prefill_workers: int = 0,
         disagg: DisaggPolicy | None = None,
+        stretches: bool = True,
     ) -> None:
+        """`stretches`: take runs of identical decode steps as one event (`_take_stretch`);
+        False steps every one, the reference the stretches are tested against."""
         if num_workers <= 0:
             raise ValueError("num_workers must be positive")
         if (prefill_router is None) != (num_prefill_workers == 0):
@@ -114,6 +121,11 @@ class OfflineReplay:
         self._handed_over: set[str] = set()  # decodes whose prompt's cache hits were the prefill's
         self.disaggregated = 0  # requests whose prefill ran on the prefill pool
         self._on_finish: Callable[[RequestRecord], None] | None = None
+        # A prefill pool's handovers arrive at times no trace tells in advance: stretches
+        # could run past one, so disaggregated replays step one at a time.
+        self._stretches = stretches and prefill_router is None
+        self._arrival_ms: list[float] = []  # the trace's arrival times, in order
+        self._arrived = 0  # how many of them have come
 
     def run(
         self, trace: Sequence[TraceRequest], on_finish: Callable[[RequestRecord], None] | None = None
@@ -124,8 +136,9 @@ class OfflineReplay:
             w.router.add_worker(w.worker_id, total_blocks=self.config.num_blocks)
             w.router.apply_kv_snapshot(replace(w.core.kv_snapshot(), worker_id=w.worker_id))
         start = trace[0].timestamp_ms if trace else 0.0
-        for request in trace:
-            self._push(request.timestamp_ms - start, _ARRIVAL, request)
+        self._arrival_ms = [request.timestamp_ms - start for request in trace]
+        for at, request in zip(self._arrival_ms, trace, strict=True):
+            self._push(at, _ARRIVAL, request)
         while self._events:
             now, _, kind, payload = heapq.heappop(self._events)
             self.clock.now_ms = now
@@ -148,6 +161,7 @@ class OfflineReplay:
         heapq.heappush(self._events, (at, next(self._seq), kind, payload))
 
     def _arrive(self, now: float, request: TraceRequest) -> None:
+        self._arrived += 1
         request_id = f"trace-{request.line}"
         record = RequestRecord(arrival_ms=now, prompt_tokens=request.input_length)
         self._records[request_id] = record
@@ -195,12 +209,33 @@ class OfflineReplay:
             self._start_step(now, worker)
 
     def _start_step(self, now: float, worker: _Worker) -> None:
+        if self._stretches and self._take_stretch(now, worker):
+            return
         result = worker.core.step()
         if not result.outputs and result.duration_ms == 0.0:
             worker.busy = False  # nothing schedulable until a request arrives
             return
         worker.busy = True
         self._push(now + result.duration_ms, _STEP_DONE, (worker, result))
+
+    def _take_stretch(self, now: float, worker: _Worker) -> bool:
+        """Take the worker's next steps at once when they are all the same decode step, up to
+        the first that a request arriving meanwhile could join (one starting at or after the
+        next arrival): the same outputs at the same times as stepping them one by one, for
+        one event instead of many."""
+        steps, step_ms = worker.core.decode_stretch()
+        if not steps:
+            return False
+        limit = self._arrival_ms[self._arrived] if self._arrived < len(self._arrival_ms) else math.inf
+        end, taken = now + step_ms, 1
+        while taken < steps and end < limit:  # the step starting at `end` admits nobody
+            end += step_ms  # added step by step, as one event per step would be timed
+            taken += 1
+        if taken < 2:
+            return False
+        worker.busy = True
+        self._push(end, _STEP_DONE, (worker, worker.core.advance(taken, step_ms)))
+        return True
 
     def _step_done(self, now: float, worker: _Worker, result: StepResult) -> None:
         for out in result.outputs:

@@ -7,6 +7,8 @@ import statistics
 from collections.abc import Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from backends.mocker.config import MockerConfig
 from backends.mocker.core import MockerCore, RequestOutput
@@ -319,3 +321,75 @@ def test_a_host_tier_hit_loads_behind_the_step() -> None:
     load = 20 * config.kv_bytes_per_token * 64 / (config.host_bandwidth_gbps * 1e6)
     assert step.duration_ms == pytest.approx(TimingModel.with_loads(compute, load, config.num_layers))
     assert step.duration_ms < compute + load
+
+
+Drive = tuple[dict[str, list[int]], dict[str, str], list[object], float]
+
+
+def _drive(core: MockerCore, stretches: bool) -> Drive:
+    """Step `core` until idle, taking decode stretches at once if `stretches`: each request's
+    tokens and finish reason, the KV events with the simulated time they came at, and the
+    simulated time at the end."""
+    tokens: dict[str, list[int]] = {}
+    finished: dict[str, str] = {}
+    events: list[object] = []
+    while core.has_work():
+        steps, step_ms = core.decode_stretch() if stretches else (0, 0.0)
+        result = core.advance(steps, step_ms) if steps else core.step()
+        for out in result.outputs:
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finish_reason is not None:
+                finished[out.request_id] = out.finish_reason
+        events += [(core.clock_ms, b.event_id, b.events) for b in core.take_kv_events()]
+    return tokens, finished, events, core.clock_ms
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 30), st.integers(1, 40), st.booleans(), st.booleans()),
+        min_size=1,
+        max_size=6,
+    ),
+    st.sampled_from([2, 4, 8]),
+    st.sampled_from([0, 16]),
+)
+def test_decode_stretches_give_what_single_steps_give(
+    specs: list[tuple[int, int, bool, bool]], block_size: int, host_cache_blocks: int
+) -> None:
+    # Small blocks cross boundaries often; drawn EOS lengths, length limits, stop ids and a
+    # host tier's write-through all fall inside or at the edge of stretches.
+    def core() -> MockerCore:
+        config = MockerConfig(
+            block_size=block_size,
+            num_blocks=256,
+            output_length_mean=12,
+            host_cache_blocks=host_cache_blocks,
+            kv_bytes_per_token=16,
+        )
+        c = MockerCore(config)
+        for i, (prompt, max_tokens, ignore_eos, stop) in enumerate(specs):
+            stops = [5] if stop else []
+            c.add(request(f"r{i}", prompt, max_tokens, seed=i, ignore_eos=ignore_eos, stop_token_ids=stops))
+        return c
+
+    assert _drive(core(), stretches=True) == _drive(core(), stretches=False)
+
+
+def test_a_decode_stretch_ends_before_a_block_fills_or_is_allocated_a_request_ends_or_one_waits() -> None:
+    core = MockerCore(MockerConfig(block_size=8, num_blocks=64))
+    core.add(request("a", prompt=5, max_tokens=20))
+    assert core.decode_stretch() == (0, 0.0)  # a prefill comes first
+    core.step()  # 5 tokens computed, the first generated
+    step_ms = core.timing.step_ms(0, True, core.kv_cache.usage)
+    assert core.decode_stretch() == (2, step_ms)  # the third decode would fill block 0
+    core.advance(2, step_ms)
+    assert core.decode_stretch() == (0, 0.0)
+    core.step()  # fills block 0
+    assert core.decode_stretch() == (0, 0.0)  # the next step allocates block 1
+    core.step()
+    assert core.decode_stretch() == (6, core.timing.step_ms(0, True, core.kv_cache.usage))
+    core.add(request("b", prompt=3, max_tokens=3))
+    assert core.decode_stretch() == (0, 0.0)  # b waits to be admitted
+    core.step()
+    assert core.decode_stretch() == (0, 0.0)  # b ends after two more tokens: one step alike

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from backends.mocker.config import MockerConfig
-from backends.mocker.replay import OfflineReplay
+from backends.mocker.core import MockerCore, StepResult
+from backends.mocker.replay import OfflineReplay, VirtualClock
 from orchestrator.cli.main import main as weir
 from orchestrator.runtime.hashing import block_hashes
 from router.replay import RequestRecord, TraceRequest, TraceTokens, read_trace, summarize
@@ -184,6 +185,42 @@ def test_offline_replay_reports_each_request_once_as_it_ends() -> None:
     assert sorted(map(id, seen)) == sorted(map(id, records)) and len(records) == 6
     assert [r.error is not None for r in records].count(True) == 1
     assert all(r.finish_ms is not None for r in seen if r.error is None)  # reported once finished
+
+
+@pytest.mark.skipif(not SHARED_TRACE.exists(), reason=f"the shared trace is not at {SHARED_TRACE}")
+@pytest.mark.parametrize(("router_mode", "host_cache_blocks"), [("kv", 0), ("ttft", 4096)])
+def test_decode_stretches_replay_as_single_steps_do(
+    monkeypatch: pytest.MonkeyPatch, router_mode: str, host_cache_blocks: int
+) -> None:
+    # Runs of identical decode steps are one event each; every request's worker, cached
+    # tokens and times come out as stepping one at a time gives them, in far fewer steps.
+    trace, _ = read_trace(SHARED_TRACE)
+    trace = trace[:400]
+    steps = {True: 0, False: 0}
+    real_step = MockerCore.step
+
+    def records(stretches: bool) -> list[tuple[object, ...]]:
+        def counted(core: MockerCore) -> StepResult:
+            steps[stretches] += 1
+            return real_step(core)
+
+        monkeypatch.setattr(MockerCore, "step", counted)
+        clock = VirtualClock()
+        config = MockerConfig(num_blocks=4096, context_length=1 << 18, host_cache_blocks=host_cache_blocks)
+        router = make_router(router_mode, 64, clock=clock, seed=7)
+        replay = OfflineReplay(router, config, 4, TraceTokens(), clock=clock, stretches=stretches)
+        return [
+            (r.worker_id, r.cached_tokens, r.output_tokens, r.first_token_ms, r.finish_ms, r.error, r.gaps)
+            for r in replay.run(trace)
+        ]
+
+    stepped, stretched = records(False), records(True)
+    assert len(stretched) == 400 and all(r[5] is None for r in stretched)
+    assert [(*r[:3], r[5]) for r in stretched] == [(*r[:3], r[5]) for r in stepped]
+    for fast, slow in zip(stretched, stepped, strict=True):
+        assert fast[3:5] == slow[3:5]  # the same sums of the same step times
+        assert fast[6] == pytest.approx(slow[6], rel=1e-9)  # a stretch's gaps: its time / steps
+    assert steps[True] * 5 < steps[False]
 
 
 def test_online_replay_is_weir_bench_on_the_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -39,6 +39,10 @@ class CostParams:
     remote_credit: float = 0.1
     busy_kv_fraction: float = 0.95  # a worker whose reported KV use is above this is busy
     busy_waiting_requests: int = 0  # > 0: a worker with more waiting requests is busy
+    # The herding guard (`balanced`): a worker with more requests than both balance_rel times
+    # and balance_abs_requests more than the least loaded candidate's is left out; 0 turns it off.
+    balance_abs_requests: int = 8
+    balance_rel: float = 1.5
 
     @property
     def tier_credits(self) -> dict[Tier, float]:
@@ -52,6 +56,8 @@ class CostParams:
                 raise ValueError(f"the {tier} tier's credit must be within [0, 1], got {credit}")
         if not 0.0 < self.busy_kv_fraction <= 1.0:
             raise ValueError("busy_kv_fraction must be within (0, 1]")
+        if self.balance_abs_requests < 0 or self.balance_rel < 1.0:
+            raise ValueError("balance_abs_requests must be >= 0 and balance_rel >= 1")
 
 
 def cached_blocks(hit_blocks: int, lower_hits: Mapping[Tier, int], params: CostParams) -> float:
@@ -95,12 +101,30 @@ def busy(loads: Sequence[WorkerLoad], params: CostParams) -> list[bool]:
 
 
 def available(workers: Mapping[str, WorkerLoad], params: CostParams) -> Mapping[str, WorkerLoad]:
-    """The workers that are not busy, or all of them when every one is: a request then queues
-    on the cheapest rather than failing."""
+    """The workers that are not busy, or all of them when every one is (a request then queues
+    on the cheapest rather than failing), less those the herding guard leaves out."""
     saturated = busy(list(workers.values()), params)
     if any(saturated) and not all(saturated):
-        return {w: load for (w, load), full in zip(workers.items(), saturated, strict=True) if not full}
-    return workers
+        workers = {w: load for (w, load), full in zip(workers.items(), saturated, strict=True) if not full}
+    return balanced(workers, params)
+
+
+def balanced(workers: Mapping[str, WorkerLoad], params: CostParams) -> Mapping[str, WorkerLoad]:
+    """The herding guard: leave out the workers whose requests (in flight or reported, the
+    predicted queue) exceed both `balance_rel` times and `balance_abs_requests` more than the
+    least loaded worker's. A cache-affine cost can keep choosing the worker that holds a hot
+    prefix while others idle (NVIDIA Dynamo users saw a KV router starve 2 of 5 workers,
+    issue 7836); the cost's load term normally prevents it, and this bounds it when the hits
+    outweigh the load term. Both margins must be passed, so small counts never trigger it."""
+    margin = params.balance_abs_requests
+    if not margin or len(workers) < 2:
+        return workers
+    counts = [load.requests for load in workers.values()]
+    low = min(counts)
+    bound = max(low * params.balance_rel, low + margin)
+    if max(counts) <= bound:
+        return workers
+    return {w: load for w, load in workers.items() if load.requests <= bound}
 
 
 def choose(costs: Sequence[float], loads: Sequence[int], temperature: float, rng: random.Random) -> int:

@@ -31,6 +31,7 @@ from orchestrator.runtime.request_plane.security import (
     server_tls_context,
 )
 from router.block_index import LOWER_TIERS
+from router.cost import CostParams
 from router.disagg import DEFAULT_MIN_UNCACHED_TOKENS, DisaggPolicy
 from router.disagg import MODES as DISAGG_MODES
 
@@ -323,6 +324,20 @@ def add_router_arguments(
         "(host, disk, remote); tiers left out keep theirs (default host=0.5,disk=0.25,remote=0.1)",
     )
     routing.add_argument(
+        "--kv-balance-abs-requests",
+        type=int,
+        metavar="N",
+        help="kv and ttft modes, the herding guard: leave out a worker with N more requests than the "
+        "least loaded one and --kv-balance-rel times as many; 0 turns the guard off (default 8)",
+    )
+    routing.add_argument(
+        "--kv-balance-rel",
+        type=float,
+        metavar="R",
+        help="kv and ttft modes, the herding guard: the ratio to the least loaded worker's requests "
+        "that a worker must also pass to be left out (default 1.5)",
+    )
+    routing.add_argument(
         "--router-temperature",
         type=float,
         help="kv mode: 0 picks the cheapest worker; higher values sample among cheap ones (default 0)",
@@ -396,12 +411,19 @@ def router_params(args: argparse.Namespace) -> dict[str, Any]:
     params: dict[str, Any] = {
         "overlap_weight": args.kv_overlap_weight,
         "temperature": args.router_temperature,
+        "balance_abs_requests": args.kv_balance_abs_requests,
+        "balance_rel": args.kv_balance_rel,
         "seed": args.router_seed,
         **(args.kv_tier_credits or {}),
     }
     if args.no_kv_events:
         params["kv_events"] = False
-    return {key: value for key, value in params.items() if value is not None}
+    params = {key: value for key, value in params.items() if value is not None}
+    try:  # refused here, with the reason, rather than as a traceback where the router is built
+        CostParams(**{key: value for key, value in params.items() if key not in ("seed", "kv_events")})
+    except ValueError as exc:
+        raise SystemExit(f"weir: {exc}") from exc
+    return params
 
 
 def setup_logging(level: str) -> None:

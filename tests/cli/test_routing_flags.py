@@ -1,5 +1,6 @@
-"""--kv-tier-credits: parsed per tier, refused when malformed, and carried to the router's cost
-model (the one `weir frontend`, `weir router` and `weir replay` build)."""
+"""Routing flags (--kv-tier-credits, the herding guard's): parsed, refused when malformed,
+and carried to the router's cost model (the one `weir frontend`, `weir router` and
+`weir replay` build)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,15 @@ def test_a_malformed_credit_is_refused_at_parse_time(value: str, capsys: pytest.
     with pytest.raises(SystemExit):
         parse("--kv-tier-credits", value)
     assert "--kv-tier-credits" in capsys.readouterr().err
+
+
+def test_the_herding_guard_flags_reach_the_cost_model_and_bad_values_are_refused() -> None:
+    params = router_params(parse("--kv-balance-abs-requests", "0", "--kv-balance-rel", "2"))
+    assert params == {"balance_abs_requests": 0, "balance_rel": 2.0}
+    router = make_router("kv", 16, **params)
+    assert isinstance(router.policy, KvPolicy)
+    assert (router.policy.params.balance_abs_requests, router.policy.params.balance_rel) == (0, 2.0)
+    bad = (("--kv-balance-rel", "0.5"), ("--kv-balance-abs-requests", "-1"), ("--kv-overlap-weight", "-1"))
+    for argv in bad:
+        with pytest.raises(SystemExit, match=r"^weir: .* must be"):
+            router_params(parse(*argv))

@@ -6,8 +6,11 @@ import random
 
 import pytest
 
-from router.cost import CostParams, busy, cached_blocks, choose, costs
-from router.protocols import WorkerLoad
+from orchestrator.runtime.protocol import BlockStored, KvEventBatch
+from router.cost import CostParams, available, balanced, busy, cached_blocks, choose, costs
+from router.indexer import KvIndexer
+from router.policies.kv import KvPolicy
+from router.protocols import RouteRequest, WorkerLoad
 
 
 def test_worked_example_cache_hit_beats_idle_worker_at_weight_one() -> None:
@@ -74,3 +77,43 @@ def test_invalid_params_are_rejected() -> None:
         CostParams(overlap_weight=-1)
     with pytest.raises(ValueError):
         CostParams(remote_credit=2)
+    with pytest.raises(ValueError):
+        CostParams(balance_abs_requests=-1)
+    with pytest.raises(ValueError):
+        CostParams(balance_rel=0.5)
+
+
+def requests(n: int) -> WorkerLoad:
+    worker = WorkerLoad(inflight_requests=n, total_blocks=1000)
+    worker.refresh()
+    return worker
+
+
+def test_the_herding_guard_leaves_out_workers_past_both_margins() -> None:
+    params = CostParams(balance_abs_requests=8, balance_rel=1.5)
+    # least loaded 10: the bound is max(10 * 1.5, 10 + 8) = 18
+    workers = {"a": requests(10), "b": requests(18), "c": requests(19), "d": requests(40)}
+    assert list(balanced(workers, params)) == ["a", "b"]
+    assert list(available(workers, params)) == ["a", "b"]
+    # small counts pass the ratio easily but not the absolute margin
+    few = {"a": requests(0), "b": requests(8)}
+    assert balanced(few, params) is few
+    # at 100 the ratio is the larger margin: 150
+    many = {"a": requests(100), "b": requests(150), "c": requests(151)}
+    assert list(balanced(many, params)) == ["a", "b"]
+    assert balanced(workers, CostParams(balance_abs_requests=0)) is workers  # off
+
+
+def test_a_hot_prefix_stops_drawing_requests_once_its_worker_is_past_the_guard() -> None:
+    # Worker a holds a 100-block prompt; at overlap weight 10 the hit outweighs any queue.
+    index = KvIndexer()
+    hashes = list(range(1, 101))
+    index.apply_batch(KvEventBatch(worker_id="a", event_id=1, events=[BlockStored(blocks=hashes)]))
+    request = RouteRequest("r", 100 * 16, hashes)
+    workers = {"a": requests(80), "b": requests(0)}
+    herding = KvPolicy(index, 16, CostParams(overlap_weight=10, balance_abs_requests=0))
+    guarded = KvPolicy(index, 16, CostParams(overlap_weight=10, balance_abs_requests=64))
+    assert herding.select(request, workers).worker_id == "a"
+    assert guarded.select(request, workers).worker_id == "b"
+    workers["a"] = requests(64)  # within the margin: the hit wins again
+    assert guarded.select(request, workers).worker_id == "a"

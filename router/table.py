@@ -26,6 +26,7 @@ subclasses `RoutingTable` and builds its per-model value in `_new_model`."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Collection
@@ -194,6 +195,8 @@ class RoutingTable(Generic[M]):
         self.models: dict[str, M] = {}
         self.instances: dict[str, Instance] = {}  # routable workers by instance id
         self._log = log
+        self._applied = 0  # discovery events `follow` has applied (or logged as bad)
+        self._progress = asyncio.Event()  # set after each of them
 
     @property
     def worker_count(self) -> int:
@@ -235,6 +238,18 @@ class RoutingTable(Generic[M]):
                 await self.apply(event)
             except Exception:
                 self._log.exception("could not apply discovery event for %s", event.instance.instance_id)
+            self._applied += 1
+            self._progress.set()
+
+    async def caught_up(self, discovery: Discovery) -> None:
+        """Return once `follow` has applied as many events as there were workers registered
+        when this was called: the watch yields the registered workers first, so by then each
+        is routable or was logged as bad. The caller bounds the wait (a worker may leave
+        meanwhile, and its event never comes)."""
+        registered = len(await discovery.list("worker"))
+        while self._applied < registered:
+            self._progress.clear()
+            await self._progress.wait()
 
     async def apply(self, event: DiscoveryEvent) -> None:
         instance = event.instance

@@ -54,6 +54,10 @@ from orchestrator.runtime.discovery import Discovery
 from orchestrator.runtime.events import EventPlane
 
 log = logging.getLogger("weir.frontend")
+
+# How long the frontend waits, before it listens, for the workers registered at its start to
+# be routable (their models loaded), so that its first /v1/models lists them.
+STARTUP_WORKERS_WAIT_S = 60.0
 Endpoint = Literal["chat", "completions"]
 _CLIENT_CLOSED = 499  # nginx's status for a client that hung up; only ever counted, never sent
 
@@ -132,6 +136,22 @@ class GenerationRoute:
             await ex.finish(b"data: " + error_body(err) + b"\n\n" + DONE_EVENT)
 
 
+async def _catch_up(registry: ModelRegistry, discovery: Discovery, follower: asyncio.Task[None]) -> None:
+    """Wait, boundedly, for the workers registered now to be routable. After a slow model, a
+    discovery outage or a follower that failed, the frontend listens anyway (the follower,
+    if alive, goes on), and says so."""
+    caught_up = asyncio.create_task(registry.caught_up(discovery), name="weir-frontend-catch-up")
+    done, _ = await asyncio.wait(
+        {follower, caught_up}, timeout=STARTUP_WORKERS_WAIT_S, return_when=asyncio.FIRST_COMPLETED
+    )
+    if caught_up in done and caught_up.exception() is None:
+        return
+    caught_up.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await caught_up
+    log.warning("listening before every registered worker is routable")
+
+
 def build_app(
     config: FrontendConfig,
     discovery: Discovery,
@@ -148,6 +168,7 @@ def build_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         follower = asyncio.create_task(registry.follow(discovery), name="weir-frontend-discovery")
+        await _catch_up(registry, discovery, follower)
         if config.probe_port is not None:
             probes = ProbeServer(
                 config.host, config.probe_port, {"/health": partial(_health, state), "/live": _live}

@@ -9,10 +9,16 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import uvicorn
 from openai.types.chat import ChatCompletionMessageParam
 
+from orchestrator.frontend.config import FrontendConfig
+from orchestrator.frontend.registry import ModelRegistry
+from orchestrator.frontend.server import create_app, uvicorn_config
+from orchestrator.runtime.discovery import MemoryDiscovery
 from orchestrator.runtime.protocol import Instance, ModelCard
-from tests.frontend.live_frontend import MODEL, LiveFrontend, live_frontend
+from orchestrator.runtime.worker_host import WorkerHost
+from tests.frontend.live_frontend import MODEL, LiveFrontend, live_frontend, mocker_factory
 from tests.frontend.tokenizer_dirs import build_chatml
 from tests.servers import free_port
 from tests.waiting import wait_until
@@ -166,3 +172,40 @@ def test_many_streams_with_hang_ups_leave_nothing_behind(model_dir: Path) -> Non
         assert _metric(live, 'weir_frontend_inflight_requests{endpoint="chat"}') == 0
         assert _metric(live, "weir_frontend_errors_total") == 0
         assert httpx.get(f"{live.url}/health").status_code == 200
+
+
+def test_workers_registered_before_it_starts_are_listed_by_its_first_request(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A model's first worker loads its tokenizer (from the worker's files, when the frontend
+    # has no copy): seconds for a large one. The frontend listens once the workers registered
+    # before it started are routable, so what `weir serve` prints as ready lists the model.
+    load = ModelRegistry._new_model
+
+    async def slow_load(self: ModelRegistry, card: ModelCard, client: Any) -> Any:
+        await asyncio.sleep(0.5)  # the load's own time, not a wait for anything
+        return await load(self, card, client)
+
+    monkeypatch.setattr(ModelRegistry, "_new_model", slow_load)
+
+    async def first_listing() -> list[str]:
+        config = FrontendConfig(port=free_port())
+        discovery = MemoryDiscovery(config.namespace)
+        host = WorkerHost(mocker_factory(model_dir)(), discovery, None, config.namespace, instance_id="w0")
+        await host.start()
+        server = uvicorn.Server(uvicorn_config(create_app(config, discovery, None, {"w0": host}), config))
+        serving = asyncio.create_task(server.serve())
+        try:
+            while not server.started:
+                assert not serving.done(), "the frontend did not start"
+                await asyncio.sleep(0.01)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{config.port}") as client:
+                listing = (await client.get("/v1/models")).json()
+            return [model["id"] for model in listing["data"]]
+        finally:
+            server.should_exit = True
+            await serving
+            await host.stop()
+            await discovery.close()
+
+    assert asyncio.run(first_listing()) == [MODEL]

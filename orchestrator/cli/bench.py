@@ -431,7 +431,7 @@ def _summary_line(result: dict[str, Any]) -> dict[str, Any]:
     keep: tuple[str, ...] = (
         "target", "load", "completed", "failed", "request_throughput", "output_token_throughput"
     )  # fmt: skip
-    keep += tuple(f"{m}_{q}_ms" for m in ("ttft", "tpot", "itl", "e2e") for q in ("p50", "p99"))
+    keep += tuple(f"{m}_{q}_ms" for m in ("ttft", "tpot", "itl", "e2e") for q in ("mean", "p50", "p99"))
     keep += ("goodput", "good_fraction", "cache_hit_rate", "errors")
     line: dict[str, Any] = {
         "bench": "weir",

@@ -4,6 +4,7 @@ and online replay against a live frontend."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from orchestrator.cli.main import main as weir
 from orchestrator.runtime.hashing import block_hashes
 from router.replay import RequestRecord, TraceRequest, TraceTokens, read_trace, summarize
 from router.router import make_router
+from tests.cli.procs import wait_banner, weir_process
 from tests.frontend.live_frontend import live_frontend
 from tests.frontend.tokenizer_dirs import build_chatml
 
@@ -221,6 +223,43 @@ def test_decode_stretches_replay_as_single_steps_do(
         assert fast[3:5] == slow[3:5]  # the same sums of the same step times
         assert fast[6] == pytest.approx(slow[6], rel=1e-9)  # a stretch's gaps: its time / steps
     assert steps[True] * 5 < steps[False]
+
+
+def shared_prefix_trace(path: Path, requests: int = 160, rate: float = 8.0) -> Path:
+    """Poisson arrivals; six system prompts of 2-5 blocks, each request's own 1-3 after."""
+    rng = random.Random(1)
+    at, fresh, lines = 0.0, 1000, []
+    for _ in range(requests):
+        at += rng.expovariate(rate) * 1e3
+        group = rng.randrange(6)
+        own = rng.randint(1, 3)
+        ids = [*range(group * 10, group * 10 + 2 + group % 4), *range(fresh, fresh + own)]
+        fresh += own
+        lines.append(line(round(at, 3), 512 * len(ids) - rng.randrange(400), rng.randint(20, 120), ids))
+    path.write_text("".join(f"{text}\n" for text in lines))
+    return path
+
+
+def test_online_and_offline_replays_of_one_trace_agree(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The live router, engines and clock against the simulation of the same: `weir replay
+    # --url` at a live `weir serve --backend mocker` (real time) and the offline replay, same
+    # trace, workers and KV size, agree on hit rate within 2 % and mean TTFT within 10 %
+    # (the live one also pays the frontend's and HTTP's time).
+    trace = str(shared_prefix_trace(tmp_path / "t.jsonl"))
+    common = ["--block-size", "64", "--num-blocks", "16384", "--router-mode", "kv"]
+    offline, _ = replay_json(capsys, trace, "--workers", "2", *common)
+    log = tmp_path / "serve.log"
+    argv = ["serve", "--backend", "mocker", "--workers", "2", "--speedup", "1", *common, "--port", "0"]
+    with weir_process(*argv, log=log) as proc:
+        url = wait_banner(proc, log)
+        assert weir(["replay", trace, "--url", url, "--trace-speedup", "1"]) == 0
+    online = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["points"][0]
+    assert online["completed"] == offline["completed"] == 160
+    assert offline["hit_rate"] > 0.5  # the system prompts are shared
+    assert online["cache_hit_rate"] == pytest.approx(offline["hit_rate"], rel=0.02)
+    assert online["ttft_mean_ms"] == pytest.approx(offline["ttft_mean_ms"], rel=0.10)
 
 
 def test_online_replay_is_weir_bench_on_the_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

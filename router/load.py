@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from orchestrator.runtime.protocol import LoadReport
 from router.protocols import InflightUpdate, RouteRequest, WorkerLoad
+from router.step_time import StepTime
 
 
 @dataclass(slots=True)
@@ -79,6 +80,8 @@ class LoadTracker:
         load.queued_prefill_tokens = report.queued_prefill_tokens
         load.routed_prefill_tokens = 0
         load.total_blocks = report.total_blocks or load.total_blocks
+        if report.step_time is not None:
+            load.step_time = StepTime.from_curves(report.step_time)
         load.refresh()
         if report.draining:
             self.set_draining(report.worker_id, True)

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from router.step_time import StepTime
+
 
 @dataclass(slots=True)
 class RouteRequest:
@@ -37,6 +39,8 @@ class WorkerLoad:
     active_blocks: int = 0
     total_blocks: int = 0
     queued_prefill_tokens: int = 0  # from the last report: prompt tokens waiting for prefill
+    # The worker's own step time curve, from its last report that had one; None: the default.
+    step_time: StepTime | None = None
     # Uncached prompt tokens this router sent the worker since that report, which it cannot
     # count yet: without them a burst inside one report interval looks like no prefill at all.
     routed_prefill_tokens: int = 0

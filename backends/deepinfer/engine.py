@@ -14,6 +14,7 @@ using it.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Protocol
@@ -33,6 +34,7 @@ from backends.deepinfer.sequence import Sequence
 from kvbm.records import Payload
 from orchestrator.runtime.model_files import eos_token_ids
 from orchestrator.runtime.protocol import KvTransfer, WorkerRequest
+from router.step_time import StepTimeFit
 
 
 class Runner(Protocol):
@@ -77,6 +79,8 @@ class Engine:
         self._release_after_step: list[str] = []
         self.num_preemptions = 0  # sequences sent back to waiting for lack of blocks, ever
         self.last_step_tokens = 0  # tokens the last step ran (0: nothing could be scheduled)
+        # The forward's time per step shape, reported to routers (LoadReport.step_time).
+        self.step_fit = StepTimeFit()
 
     @property
     def guided(self) -> GuidedDecoding:
@@ -173,10 +177,14 @@ class Engine:
             self.num_preemptions += len(out.preempted)
             self.last_step_tokens = out.num_batched_tokens
             self._in_flight = {c.seq.request_id for c in out.chunks}
+            kv_usage = self.scheduler.kv_cache.usage
         if out.is_empty:
             return []
+        started = time.perf_counter()
         sampled = self.run(out)
+        ms = (time.perf_counter() - started) * 1e3
         with self.lock:
+            self.step_fit.observe(*out.shape(), kv_usage, ms)
             return self.postprocess(out, sampled)
 
     def run(self, out: SchedulerOutput) -> list[SampledToken]:

@@ -51,6 +51,19 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.chunks
 
+    def shape(self) -> tuple[int, bool]:
+        """What the step's time depends on (`router.step_time`): the prompt tokens it computes
+        (prompts, and preempted sequences' recompute) and whether it decodes a token for any
+        sequence."""
+        prefill_tokens, decoding = 0, False
+        for chunk in self.chunks:
+            seq = chunk.seq
+            if chunk.num_tokens == 1 and len(seq.token_ids) > seq.num_prompt_tokens:
+                decoding = True
+            else:
+                prefill_tokens += chunk.num_tokens
+        return prefill_tokens, decoding
+
 
 @dataclass(slots=True)
 class SampledToken:

@@ -90,7 +90,9 @@ class DeepInferWorker:
     def load(self) -> LoadReport:
         engine = self.engine
         with engine.lock:
-            return engine.scheduler.load()
+            report = engine.scheduler.load()
+            report.step_time = engine.step_fit.curves()
+            return report
 
     def take_kv_events(self) -> list[KvEventBatch]:
         engine = self.engine

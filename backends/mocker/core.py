@@ -78,6 +78,7 @@ class MockerCore:
         self.scheduler = Scheduler(engine_config, config.num_blocks, config.eos_token_ids, tiers=self.tiers)
         self.kv_cache = self.scheduler.kv_cache
         self.timing = config.timing
+        self._curves = self.timing.curves()
         self.block_bytes = config.kv_bytes_per_token * config.block_size
         self._load_ms: dict[str, float] = {
             "host": self.block_bytes / (config.host_bandwidth_gbps * 1e6),
@@ -164,17 +165,11 @@ class MockerCore:
         out = self.scheduler.schedule()
         if out.is_empty:
             return StepResult(0.0, [])
-        prefill_tokens = 0
-        decoding = False
         sampled: list[SampledToken] = []
         requests = self._requests
         for chunk in out.chunks:
             seq = chunk.seq
             length = len(seq.token_ids)
-            if chunk.num_tokens == 1 and length > seq.num_prompt_tokens:
-                decoding = True
-            else:
-                prefill_tokens += chunk.num_tokens  # a prompt, or a preempted sequence's recompute
             if chunk.sample:
                 seed, eos_at = requests[seq.request_id]
                 if length - seq.num_prompt_tokens + 1 == eos_at:
@@ -182,6 +177,7 @@ class MockerCore:
                 else:
                     token = self._draw(seed, length)
                 sampled.append(SampledToken(token))
+        prefill_tokens, decoding = out.shape()
         duration = self.timing.with_loads(
             self.timing.step_ms(prefill_tokens, decoding, self.kv_cache.usage),
             sum(self._load_ms[load.source] for load in out.loads),
@@ -250,7 +246,9 @@ class MockerCore:
     # ------------------------------------------------------------------ observability
 
     def load(self) -> LoadReport:
-        return self.scheduler.load()
+        report = self.scheduler.load()
+        report.step_time = self._curves  # the curve it simulates: the router predicts with it
+        return report
 
     def take_kv_events(self) -> list[KvEventBatch]:
         return self.kv_cache.take_events()

@@ -202,6 +202,18 @@ class KvSnapshot(msgspec.Struct, kw_only=True):
 # --------------------------------------------------------------------------- load
 
 
+class StepCurves(msgspec.Struct, array_like=True):
+    """How long the worker's engine steps take (`router.step_time.StepTime`): ms of a step's
+    prefill part as a polynomial in its new tokens, of its decode part in the fraction of KV
+    blocks in use, in ascending powers. `samples`: the steps fitted (0: not measured, the
+    curve the worker simulates)."""
+
+    prefill_ms: list[float]
+    decode_ms: list[float]
+    min_decode_ms: float = 1.0
+    samples: int = 0
+
+
 class LoadReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Published on `weir.<ns>.<model>.load` on change and at least every second."""
 
@@ -215,6 +227,7 @@ class LoadReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     # The id of the last KV event batch published: lets a router notice a lost final batch,
     # which no later batch would reveal. 0: not reported.
     kv_event_id: int = 0
+    step_time: StepCurves | None = None  # None: the router's default curve
 
 
 # --------------------------------------------------------------------------- discovery

@@ -47,7 +47,8 @@ class TtftPolicy:
     def predicted_ttft_ms(self, uncached_tokens: float, load: WorkerLoad) -> float:
         """This worker's predicted TTFT for a prompt of `uncached_tokens` still to compute."""
         tokens = load.prefill_tokens + max(round(uncached_tokens), 0)
-        return self.step_time.prefill_wait_ms(tokens, self.step_tokens, load.requests > 0, load.kv_usage)
+        step_time = load.step_time or self.step_time
+        return step_time.prefill_wait_ms(tokens, self.step_tokens, load.requests > 0, load.kv_usage)
 
     def select(self, request: RouteRequest, workers: Mapping[str, WorkerLoad]) -> Decision:
         matches = self.index.find_matches(request.block_hashes)

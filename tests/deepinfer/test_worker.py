@@ -16,6 +16,7 @@ from backends.registry import add_backend_arguments, make_engine
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.hashing import block_hashes
 from orchestrator.runtime.protocol import BlockStored, SamplingOptions, TokenDelta, WorkerRequest
+from router.step_time import StepTime
 
 GREEDY = SamplingOptions(temperature=0.0)
 
@@ -63,6 +64,22 @@ async def test_concurrent_streams_and_cached_tokens(worker: DeepInferWorker) -> 
         assert again is not None and again.cached_tokens == 32
         assert deltas[0].cached_tokens == 32, "the first delta announces the cache hit"
         assert [t for d in deltas for t in d.token_ids] == [t for d in first for t in d.token_ids]
+
+
+async def test_the_load_report_carries_the_step_curves_fitted_to_its_forwards(
+    worker: DeepInferWorker,
+) -> None:
+    assert worker.load().step_time is None  # nothing run yet: routers use their default
+    # Prompts of several lengths, one after another: prefill steps and decode steps.
+    for n in (8, 24, 40, 56, 72, 88, 104, 120):
+        request = WorkerRequest(request_id=f"r{n}", token_ids=list(range(3, 3 + n)), max_tokens=6)
+        await collect(worker.generate(request))
+    curves = worker.load().step_time
+    assert curves is not None and curves.samples == worker.engine.step_fit.samples >= 32
+    fitted = StepTime.from_curves(curves)
+    assert fitted != StepTime()  # fitted to this engine, not the default
+    for tokens in (16, 64, 128):
+        assert 0 < fitted.prefill(tokens) < 10_000  # a tiny model's forward on a CPU: ms, not s
 
 
 async def test_a_slow_reader_gets_tokens_merged(worker: DeepInferWorker) -> None:

@@ -3,8 +3,10 @@ prompt and the step model the mocker simulates with."""
 
 from __future__ import annotations
 
+from orchestrator.runtime.protocol import LoadReport
 from router.block_index import BlockIndex
 from router.cost import CostParams
+from router.load import LoadTracker
 from router.policies.ttft import TtftPolicy
 from router.protocols import RouteRequest, WorkerLoad
 from router.step_time import StepTime
@@ -53,3 +55,18 @@ def test_a_cache_hit_wins_unless_the_queue_ahead_costs_more_than_it_saves() -> N
     decision = policy.select(request, {"warm": load(queued=4000), "cold": load()})
     assert decision.worker_id == "cold"
     assert decision.cost == StepTime().prefill(2048)  # the prediction rides on the decision
+
+
+def test_each_worker_is_predicted_with_the_step_curve_it_reports() -> None:
+    # Two idle cold workers; "slow" reports (LoadReport.step_time) a prefill twice the default.
+    default = StepTime()
+    slow_curve = StepTime(tuple(2 * c for c in default.prefill_ms), default.decode_ms)
+    tracker = LoadTracker("r", BS)
+    for worker_id in ("slow", "fast"):
+        tracker.add_worker(worker_id, total_blocks=1000)
+    tracker.apply_report(LoadReport(worker_id="slow", total_blocks=1000, step_time=slow_curve.curves(64)))
+    tracker.apply_report(LoadReport(worker_id="fast", total_blocks=1000))  # reports none: the default
+    policy = TtftPolicy(Index(), BS, CostParams(), step_tokens=8192, seed=0)
+    assert policy.predicted_ttft_ms(1000, tracker.workers["slow"]) == slow_curve.prefill(1000)
+    decision = policy.select(RouteRequest("r", 1000, []), tracker.workers)
+    assert decision.worker_id == "fast" and decision.cost == default.prefill(1000)

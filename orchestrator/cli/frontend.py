@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
+import sys
 from collections.abc import Callable, Mapping
 
 from orchestrator.cli.options import (
@@ -23,8 +26,10 @@ from orchestrator.cli.options import (
     run_until_stopped,
     setup_logging,
 )
+from orchestrator.cli.processes import MAX_DEFAULT_PROCESSES, Supervisor, default_processes
 from orchestrator.frontend.config import REMOTE_FALLBACK_MODE, ROUTER_MODES, FrontendConfig
 from orchestrator.frontend.server import FrontendServer, create_app
+from orchestrator.frontend.shared_port import reserve
 from orchestrator.runtime.discovery import Discovery, make_discovery
 from orchestrator.runtime.events import EventPlane, make_event_plane
 from orchestrator.runtime.request_plane import PlaneSecurity, WorkerClient
@@ -205,31 +210,79 @@ def frontend_config(
 
 def register(parser: argparse.ArgumentParser) -> None:
     add_frontend_arguments(parser)
+    parser.add_argument(
+        "--processes",
+        type=_processes,
+        default=default_processes(),
+        metavar="N",
+        help="frontend processes sharing the port, each a whole frontend with its own router "
+        "replica; one process serves what one core can (default: one per usable core, at most "
+        f"{MAX_DEFAULT_PROCESSES}; here {default_processes()})",
+    )
     add_cluster_planes(parser)
     add_plane_security(parser, serving=False)
     add_log_level(parser)
     parser.set_defaults(run=run)
 
 
+def _processes(value: str) -> int:
+    count = int(value)
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {count}")
+    return count
+
+
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     config = frontend_config(args, args.namespace, plane_security(args, serving=False))
-    return run_until_stopped(lambda stop: _serve(config, args, stop))
+    if args.processes == 1:
+        return run_until_stopped(lambda stop: _serve(config, args, stop, _banner(args)))
+    return _supervise(config, args)
 
 
-async def _serve(config: FrontendConfig, args: argparse.Namespace, stop: asyncio.Event) -> None:
+def _banner(args: argparse.Namespace, processes: str = "") -> Callable[[str], None]:
+    def announce(url: str) -> None:
+        planes = f"etcd {redacted(args.etcd)}, nats {redacted(args.nats)}"
+        print(f"weir frontend on {url} ({processes}{planes})", flush=True)
+
+    return announce
+
+
+def _supervise(config: FrontendConfig, args: argparse.Namespace) -> int:
+    """`--processes N`: children bind the ports the supervisor reserves (processes.py)."""
+    try:
+        held = [reserve(config.host, config.port)]
+        if config.probe_port is not None:
+            held.append(reserve(config.host, config.probe_port))
+    except OSError as exc:
+        raise SystemExit(f"weir: cannot listen on {config.host}: {exc}") from exc
+    with contextlib.ExitStack() as stack:
+        for sock in held:
+            stack.enter_context(sock)
+        ports = [sock.getsockname()[1] for sock in held]
+        child = argparse.Namespace(**vars(args))
+        child.port = ports[0]
+        child.probe_port = ports[1] if len(ports) > 1 else None
+        supervisor = Supervisor(_serve_child, child, args.processes, config.drain_timeout_s)
+        announce = _banner(args, f"{args.processes} processes, ")
+        return supervisor.run(lambda: announce(f"http://{config.host}:{ports[0]}"))
+
+
+def _serve_child(args: argparse.Namespace, ready: Callable[[], None]) -> None:
+    """One of the supervisor's processes: a whole frontend on the shared port."""
+    setup_logging(args.log_level)
+    config = frontend_config(args, args.namespace, plane_security(args, serving=False))
+    config = dataclasses.replace(config, reuse_port=True)
+    sys.exit(run_until_stopped(lambda stop: _serve(config, args, stop, lambda url: ready())))
+
+
+async def _serve(
+    config: FrontendConfig, args: argparse.Namespace, stop: asyncio.Event, on_listening: Callable[[str], None]
+) -> None:
     discovery = make_discovery(args.etcd, args.namespace)
     events = make_event_plane(args.nats)
     try:
-        await serve_http(
-            config,
-            discovery,
-            events,
-            stop,
-            banner=lambda url: (
-                f"weir frontend on {url} (etcd {redacted(args.etcd)}, nats {redacted(args.nats)})"
-            ),
-        )
+        await serve_http(config, discovery, events, stop, on_listening=on_listening)
     finally:
         await asyncio.gather(discovery.close(), events.close(), return_exceptions=True)
 
@@ -240,18 +293,19 @@ async def serve_http(
     events: EventPlane,
     stop: asyncio.Event,
     local_workers: Mapping[str, WorkerClient] | None = None,
-    banner: Callable[[str], str] = lambda url: f"weir frontend on {url}",
+    on_listening: Callable[[str], None] = lambda url: print(f"weir frontend on {url}", flush=True),
 ) -> None:
     """Serve HTTP until SIGINT/SIGTERM or `stop` (in-flight requests get --drain-timeout to
-    finish first), printing one line once the socket is bound: with --port 0 the line is how a
-    caller learns the port."""
+    finish first), calling `on_listening(url)` once the socket is bound, which prints the
+    ready line: with --port 0 the line is how a caller learns the port."""
     server = FrontendServer(create_app(config, discovery, events, local_workers), config)
     serving = asyncio.create_task(server.serve())
     while not server.started and not serving.done():
         await asyncio.sleep(0.02)
-    if server.started:
-        port = server.servers[0].sockets[0].getsockname()[1]
-        print(banner(f"http://{config.host}:{port}"), flush=True)
+    # A signal during start-up may close the listener before this loop looks at it.
+    listening = [sock for srv in server.servers for sock in srv.sockets]
+    if server.started and listening:
+        on_listening(f"http://{config.host}:{listening[0].getsockname()[1]}")
     # A signal that arrived before uvicorn installed its handlers only set `stop`.
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)

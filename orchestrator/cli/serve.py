@@ -122,7 +122,9 @@ async def _serve(
             local,
             # The worker addresses are what `weir bench --direct` dials to measure the engine
             # with no frontend in front of it.
-            banner=lambda url: f"weir serving {model} ({_described(args.backend, hosts)}) on {url}",
+            on_listening=lambda url: print(
+                f"weir serving {model} ({_described(args.backend, hosts)}) on {url}", flush=True
+            ),
         )
     finally:
         await asyncio.gather(*(host.stop() for host in hosts), return_exceptions=True)

@@ -171,7 +171,10 @@ def build_app(
         await _catch_up(registry, discovery, follower)
         if config.probe_port is not None:
             probes = ProbeServer(
-                config.host, config.probe_port, {"/health": partial(_health, state), "/live": _live}
+                config.host,
+                config.probe_port,
+                {"/health": partial(_health, state), "/live": _live},
+                reuse_port=config.reuse_port,
             )
             probes.start()
             state.on_close.append(probes.stop)

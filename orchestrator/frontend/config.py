@@ -21,6 +21,9 @@ class FrontendConfig:
     # /health and /live also on this port, answered by a thread (probes.py) so that a kubelet
     # hears back while the event loop is saturated; None: only on `port`.
     probe_port: int | None = None
+    # Bind both ports with SO_REUSEPORT, shared with sibling processes (shared_port.py); set
+    # by `weir frontend --processes N` in each child, never by hand.
+    reuse_port: bool = False
     namespace: str = "weir"
     # KV-aware by default; see routing.build_router for what each mode is fed.
     router_mode: str = "kv"

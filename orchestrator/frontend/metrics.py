@@ -1,11 +1,19 @@
 """Prometheus metrics for the frontend, on a registry per app.
 
 Label lookups happen once per model (`ModelMetrics`) or once per request, never per token:
-the streaming path only touches pre-bound children."""
+the streaming path only touches pre-bound children.
+
+Under `weir frontend --processes N` every process records into prometheus_client's
+multiprocess directory (`PROMETHEUS_MULTIPROC_DIR`, set by the supervisor before the process
+starts) and each one's /metrics answers for all of them: counters and histograms summed,
+in-flight and queued gauges summed over live processes, the worker count their maximum."""
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from router.metrics import RouterMetrics
 
@@ -67,7 +75,11 @@ class Metrics:
             "weir_frontend_requests", "Finished HTTP requests", ["endpoint", "status"], registry=r
         )
         self.inflight = Gauge(
-            "weir_frontend_inflight_requests", "Requests being served", ["endpoint"], registry=r
+            "weir_frontend_inflight_requests",
+            "Requests being served",
+            ["endpoint"],
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.errors = Counter("weir_frontend_errors", "Failed requests by error type", ["type"], registry=r)
         self.migrations = Counter(
@@ -112,7 +124,11 @@ class Metrics:
             "weir_frontend_cached_tokens", "Prompt tokens served from cache", ["model"], registry=r
         )
         self.queued = Gauge(
-            "weir_frontend_queued_requests", "Requests waiting for admission", ["model"], registry=r
+            "weir_frontend_queued_requests",
+            "Requests waiting for admission",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.queue_wait = Histogram(
             "weir_frontend_queue_wait_seconds",
@@ -148,7 +164,10 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.workers = Gauge("weir_frontend_workers", "Known workers", registry=r)
+        # Every process follows the same discovery, so each knows (about) every worker.
+        self.workers = Gauge(
+            "weir_frontend_workers", "Known workers", registry=r, multiprocess_mode="livemax"
+        )
         self.router = RouterMetrics(r)  # shared by every model's router, labelled by model
         self.inflight_by_endpoint = {e: self.inflight.labels(e) for e in _ENDPOINTS}
         self._requests_by_label: dict[tuple[str, int], Counter] = {}
@@ -164,5 +183,10 @@ class Metrics:
         child.inc()
 
     def render(self) -> bytes:
+        directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if directory:
+            every_process = CollectorRegistry()
+            MultiProcessCollector(every_process, directory)
+            return generate_latest(every_process)
         # Plus the process-wide registry: in `weir serve`, the embedded workers' metrics.
         return generate_latest(self.registry) + generate_latest(REGISTRY)

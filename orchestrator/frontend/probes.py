@@ -62,7 +62,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 class _Server(socketserver.TCPServer):
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], probes: dict[str, Probe]) -> None:
+    def __init__(self, address: tuple[str, int], probes: dict[str, Probe], reuse_port: bool) -> None:
+        self.allow_reuse_port = reuse_port  # read by server_bind, inside super().__init__
         super().__init__(address, _Handler)
         self.probes = probes
         self.beat = time.monotonic()
@@ -72,8 +73,9 @@ class _Server(socketserver.TCPServer):
 
 
 class ProbeServer:
-    def __init__(self, host: str, port: int, probes: dict[str, Probe]) -> None:
-        self._server = _Server((host, port), probes)
+    def __init__(self, host: str, port: int, probes: dict[str, Probe], reuse_port: bool = False) -> None:
+        """`reuse_port`: share `port` with sibling frontend processes (shared_port.py)."""
+        self._server = _Server((host, port), probes, reuse_port)
         self.port: int = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="weir-probes", daemon=True)
         self._heartbeat: asyncio.Task[None] | None = None

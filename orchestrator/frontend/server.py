@@ -13,6 +13,7 @@ from orchestrator.frontend.app import build_app
 from orchestrator.frontend.config import FrontendConfig
 from orchestrator.frontend.http_guard import guarded_protocol
 from orchestrator.frontend.registry import ClientFactory
+from orchestrator.frontend.shared_port import listen_shared
 from orchestrator.runtime.discovery import Discovery
 from orchestrator.runtime.events import EventPlane
 from orchestrator.runtime.protocol import Instance
@@ -73,6 +74,12 @@ class FrontendServer(uvicorn.Server):
         super().__init__(uvicorn_config(app, config))
         self.drain = app.state.frontend.drain
         self.drain_timeout_s = config.drain_timeout_s
+        self.reuse_port = config.reuse_port
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        if sockets is None and self.reuse_port:
+            sockets = [listen_shared(self.config.host, self.config.port)]
+        await super().serve(sockets)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.drain.begin()

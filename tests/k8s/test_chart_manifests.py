@@ -199,6 +199,18 @@ def test_frontend_drain_timeout_follows_its_grace_period(helm_bin: str) -> None:
     assert "--drain-timeout=285" in _container(dep)["args"]
 
 
+def test_frontend_processes_default_to_the_cli_and_can_be_set(
+    helm_bin: str, defaults: list[Manifest]
+) -> None:
+    # Unset, `weir frontend` picks one per usable core (tests/cli/test_frontend_processes.py).
+    assert not any(
+        a.startswith("--processes")
+        for a in _container(one(defaults, "Deployment", "r-weir-frontend"))["args"]
+    )
+    dep = one(render(helm_bin, sets={"frontend.processes": "3"}), "Deployment", "r-weir-frontend")
+    assert "--processes=3" in _container(dep)["args"]
+
+
 def test_kv_tiers_become_worker_flags_and_a_disk_volume(helm_bin: str) -> None:
     tiers = {"hostGb": "4", "diskGb": "20", "redisUrl": "redis://kv:6379/0"}
     manifests = render(helm_bin, sets={f"poolDefaults.kvTiers.{k}": v for k, v in tiers.items()})

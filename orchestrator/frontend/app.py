@@ -43,7 +43,7 @@ from orchestrator.frontend.errors import (
     error_body,
     to_frontend_error,
 )
-from orchestrator.frontend.http_guard import ABORT_EXTENSION
+from orchestrator.frontend.http_guard import ABORT_EXTENSION, CHUNK_WRITER_EXTENSION
 from orchestrator.frontend.metrics import Metrics
 from orchestrator.frontend.openapi import WeirApp
 from orchestrator.frontend.probes import ProbeServer
@@ -83,8 +83,13 @@ class GenerationRoute:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         metrics = self.state.metrics
-        abort = scope.get("extensions", {}).get(ABORT_EXTENSION)
-        ex = Exchange(send, self.state.config.stream_stall_timeout_s, abort)
+        extensions = scope.get("extensions", {})
+        ex = Exchange(
+            send,
+            self.state.config.stream_stall_timeout_s,
+            extensions.get(ABORT_EXTENSION),
+            extensions.get(CHUNK_WRITER_EXTENSION),
+        )
         drain = self.state.drain
         task = asyncio.current_task()
         assert task is not None  # uvicorn runs each request in a task of its own

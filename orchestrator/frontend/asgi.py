@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from orchestrator.frontend.errors import BodyTooLarge
+from orchestrator.frontend.http_guard import ChunkWriter
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -66,10 +67,13 @@ class Exchange:
     A write waits while the client's socket buffer is full (uvicorn's flow control), so a slow
     reader slows its own stream instead of growing a buffer here; one that reads nothing for
     `stall_timeout_s` has its connection dropped (`abort`, from the server) and the write
-    raises StreamStalled, which ends the handler and closes its worker streams."""
+    raises StreamStalled, which ends the handler and closes its worker streams. Body chunks
+    that can be written at once skip ASGI (`http_guard.ChunkWriter`), and the stall timer with
+    it: only a write that has to wait can stall."""
 
     __slots__ = (
         "_abort",
+        "_chunks",
         "_send",
         "_stall_timeout_s",
         "_watcher",
@@ -79,8 +83,15 @@ class Exchange:
         "status",
     )
 
-    def __init__(self, send: Send, stall_timeout_s: float, abort: Callable[[], None] | None) -> None:
+    def __init__(
+        self,
+        send: Send,
+        stall_timeout_s: float,
+        abort: Callable[[], None] | None,
+        chunks: ChunkWriter | None = None,
+    ) -> None:
         self._send = send
+        self._chunks = chunks
         self._stall_timeout_s = stall_timeout_s
         self._abort = abort
         self._watcher: asyncio.Task[None] | None = None
@@ -125,6 +136,10 @@ class Exchange:
         await self._bounded_send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def write(self, body: bytes) -> None:
+        chunks = self._chunks
+        if chunks is not None and chunks.ready():
+            chunks.write(body)
+            return
         await self._bounded_send({"type": "http.response.body", "body": body, "more_body": True})
 
     async def finish(self, body: bytes) -> None:

@@ -7,18 +7,46 @@ byte at a time (slowloris) is held forever, one socket each. Here a connection w
 headers are not complete `read_timeout_s` after it opened (or after its previous response) is
 closed, and a connection beyond `max_connections` is closed as it arrives.
 
-Each request's scope also carries `ABORT_EXTENSION`, a callable that drops the connection: what
-`asgi.Exchange` uses on a client that has stopped reading (a write that cannot finish), where
-the response can be neither completed nor abandoned cleanly through ASGI."""
+Each request's scope also carries two extensions for `asgi.Exchange`:
+- `ABORT_EXTENSION`, a callable that drops the connection, for a client that has stopped
+  reading (a write that cannot finish), where the response can be neither completed nor
+  abandoned cleanly through ASGI;
+- `CHUNK_WRITER_EXTENSION`, a `ChunkWriter`: a streamed body's chunks go straight to the
+  transport, pre-framed, instead of through an ASGI message, the middleware's send wrappers
+  and uvicorn's send, which cost more than the rest of a streamed token's work."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 ABORT_EXTENSION = "weir.abort"
+CHUNK_WRITER_EXTENSION = "weir.chunk_writer"
+
+
+class ChunkWriter:
+    """Writes body chunks of a started, chunked response as uvicorn's send would, but only
+    when that send would write at once: anything else (not started, not chunked, the client
+    gone, its socket buffer full) is `ready() == False`, and the caller sends through ASGI."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self._cycle = cycle
+
+    def ready(self) -> bool:
+        cycle = self._cycle
+        return (
+            cycle.chunked_encoding is True
+            and not cycle.response_complete
+            and not cycle.disconnected
+            and not cycle.flow.write_paused
+        )
+
+    def write(self, body: bytes) -> None:
+        self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
 
 
 class _GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -39,12 +67,15 @@ class _GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        # asgiref's types want every extension to be a dict; this one is a callable.
-        self.scope["extensions"] = {ABORT_EXTENSION: self.transport.abort}  # type: ignore[dict-item]
+        self._extensions: dict[str, Any] = {ABORT_EXTENSION: self.transport.abort}
+        self.scope["extensions"] = self._extensions
 
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:  # not an upgrade, which has none
+            self._extensions[CHUNK_WRITER_EXTENSION] = ChunkWriter(cycle)
 
     def on_response_complete(self) -> None:
         # A pipelined request already has its headers; only an idle connection waits for more.

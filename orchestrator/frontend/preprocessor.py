@@ -25,7 +25,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from orchestrator.frontend.detokenizer import IncrementalDetokenizer
+from orchestrator.frontend.detokenizer import ByteDetokenizer, Detokenizer, StreamDetokenizer, byte_tables
 from orchestrator.runtime.model_files import eos_token_ids, read_json, special_token_text
 
 # The special-token names transformers hands every chat template (`special_tokens_map`).
@@ -64,6 +64,7 @@ class Preprocessor:
         self._bos_text = bos
         self._bos_id = tokenizer.token_to_id(bos) if bos else None
         self._token_text: dict[int, str] = {}
+        self._byte_tables = byte_tables(tokenizer)  # for ByteDetokenizer; None: not byte-level
 
     @classmethod
     def load(cls, model_dir: str | Path) -> Preprocessor:
@@ -127,9 +128,11 @@ class Preprocessor:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
-    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+    def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer:
         """A fresh incremental detokenizer for one request's output."""
-        return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
+        if self._byte_tables is not None:
+            return ByteDetokenizer(self._byte_tables[skip_special_tokens])
+        return StreamDetokenizer(self.tokenizer, skip_special_tokens)
 
 
 # ---------------------------------------------------------------------- loading

@@ -179,7 +179,9 @@ class ResponseStream:
                 if inbox.error is not None:
                     raise inbox.error
                 raise StopAsyncIteration
-            inbox.waiter = asyncio.get_running_loop().create_future()
+            # Not asyncio.get_running_loop(): in 3.11 that is a getpid() syscall per call.
+            assert self._conn is not None  # without a connection the inbox is done
+            inbox.waiter = self._conn.loop.create_future()
             try:
                 await inbox.waiter
             except asyncio.CancelledError:

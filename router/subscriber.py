@@ -2,9 +2,11 @@
 
 Consumes a model's `.kv` (KV event batches), `.load` (load reports) and `.inflight` (replica
 routers' sends and finishes) subjects, and publishes this router's own in-flight changes on
-`.inflight`. Whenever the router reports a worker it cannot trust (never synced, a gap in
-its event ids), the worker's snapshot is fetched through `fetch_snapshot` and applied; a
-failed fetch is retried with backoff while the worker stays registered.
+`.inflight`: what changed since its last message, as one list, so a busy router sends one
+message per event-loop turn instead of two per request, to every replica. Whenever the
+router reports a worker it cannot trust (never synced, a gap in its event ids), the worker's
+snapshot is fetched through `fetch_snapshot` and applied; a failed fetch is retried with
+backoff while the worker stays registered.
 
 `start()` returns once every worker the router knows at that moment is synced (or
 `sync_timeout_s` passed): a restarted router rebuilds its index before it routes by KV,
@@ -59,7 +61,8 @@ class RouterSubscriber:
         self._fetching: dict[str, asyncio.Task[None]] = {}
         self._retry_at: dict[str, tuple[float, float]] = {}  # worker -> (next try, backoff)
         self._wake = asyncio.Event()
-        self._outbox: asyncio.Queue[InflightUpdate] = asyncio.Queue()
+        self._outbox: list[InflightUpdate] = []
+        self._outbox_ready = asyncio.Event()
 
     async def start(self) -> None:
         handlers: dict[str, Callable[[bytes], None]] = {"load": self._on_load, "inflight": self._on_inflight}
@@ -71,7 +74,7 @@ class RouterSubscriber:
             self._subscriptions.append(sub)
             self._tasks.append(asyncio.create_task(self._consume(sub, handle), name=f"router-{kind}"))
         self._tasks.append(asyncio.create_task(self._publish_inflight(), name="router-inflight-out"))
-        self.router.on_inflight = self._outbox.put_nowait
+        self.router.on_inflight = self._queue_inflight
         await self.wait_synced(self.sync_timeout_s)
 
     async def stop(self) -> None:
@@ -119,7 +122,10 @@ class RouterSubscriber:
             self._wake.set()
 
     def _on_inflight(self, data: bytes) -> None:
-        self.router.apply_inflight(_decode_inflight(data))
+        updates = _decode_inflight(data)
+        # A single update is what a replica of an earlier version sends, during a rolling update.
+        for update in updates if isinstance(updates, list) else (updates,):
+            self.router.apply_inflight(update)
 
     # ------------------------------------------------------------------ resync
 
@@ -159,17 +165,23 @@ class RouterSubscriber:
 
     # ------------------------------------------------------------------ outbound
 
+    def _queue_inflight(self, update: InflightUpdate) -> None:
+        self._outbox.append(update)
+        self._outbox_ready.set()
+
     async def _publish_inflight(self) -> None:
         encoder = msgspec.msgpack.Encoder()
         topic = self._subjects["inflight"]
         while True:
-            update = await self._outbox.get()
+            await self._outbox_ready.wait()
+            self._outbox_ready.clear()
+            updates, self._outbox = self._outbox, []
             try:
-                await self.plane.publish(topic, encoder.encode(update))
+                await self.plane.publish(topic, encoder.encode(updates))
             except Exception as exc:  # the event plane degrades, routing goes on
                 log.warning("cannot publish in-flight load: %s", exc)
 
 
 _decode_kv = msgspec.msgpack.Decoder(KvEventBatch).decode
 _decode_load = msgspec.msgpack.Decoder(LoadReport).decode
-_decode_inflight = msgspec.msgpack.Decoder(InflightUpdate).decode
+_decode_inflight = msgspec.msgpack.Decoder(list[InflightUpdate] | InflightUpdate).decode

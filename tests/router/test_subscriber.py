@@ -10,7 +10,7 @@ import pytest
 from orchestrator.runtime.events import EventPlane, MemoryEventPlane, make_event_plane
 from orchestrator.runtime.hashing import block_hashes
 from orchestrator.runtime.protocol import BlockStored, KvEvent, KvEventBatch, KvSnapshot, LoadReport, subject
-from router.protocols import RouteRequest
+from router.protocols import InflightUpdate, RouteRequest
 from router.router import Router, make_router
 from router.subscriber import RouterSubscriber
 from tests.waiting import eventually
@@ -144,4 +144,37 @@ async def test_replicas_share_inflight_load(plane_kind: str, request: pytest.Fix
     finally:
         for s in subs:
             await s.stop()
+        await plane.close()
+
+
+@pytest.mark.parametrize("plane_kind", ["memory", "nats"])
+async def test_one_turns_inflight_updates_travel_as_one_message(
+    plane_kind: str, request: pytest.FixtureRequest
+) -> None:
+    url = request.getfixturevalue("nats_url") if plane_kind == "nats" else None
+    plane = make_event_plane(url)
+    a = Worker("a", plane)
+    one, two = kv_router(a), kv_router(a)
+    subs = [RouterSubscriber(r, plane, "ns", "m", fetcher(a)) for r in (one, two)]
+    wire = await plane.subscribe(subject("ns", "m", "inflight"))
+    for s in subs:
+        await s.start()
+    try:
+        for i in range(3):  # no await between them: one event-loop turn
+            one.select(RouteRequest(f"r{i}", 8, block_hashes(list(range(8)), BS)))
+        await eventually(lambda: two.workers["a"].inflight_requests == 3)
+        message = await anext(aiter(wire))
+        assert [u.request_id for u in msgspec.msgpack.decode(message, type=list[InflightUpdate])] == [
+            "r0",
+            "r1",
+            "r2",
+        ]
+        # What a replica of an earlier version sends, one update per message, still counts.
+        legacy = InflightUpdate(router_id="old", worker_id="a", request_id="old-1", blocks=2)
+        await plane.publish(subject("ns", "m", "inflight"), encode(legacy))
+        await eventually(lambda: two.workers["a"].inflight_requests == 4)
+    finally:
+        for s in subs:
+            await s.stop()
+        await wire.close()
         await plane.close()

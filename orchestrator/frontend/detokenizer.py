@@ -8,8 +8,8 @@ Two implementations of one contract: the streamed pieces join to exactly what a 
   So each token's bytes are looked up once per model (`byte_table`) and a request's output is
   fed through an incremental UTF-8 decoder, which holds an unfinished character back and reads
   any chunking as one decode would. A delta then costs a list lookup, not a call into the
-  tokenizer, whose per-token work (prefix re-decoding, the byte alphabet's hash map) cost
-  the streaming path more than anything else in it but the socket write.
+  tokenizer (prefix re-decoding, the byte alphabet's hash map), which cost about a sixth of
+  a paced chunk's frontend CPU (docs/frontend.md, "Cost").
 - `StreamDetokenizer`, for every other decoder (SentencePiece's Metaspace, byte fallback):
   `tokenizers.decoders.DecodeStream` keeps a few tokens of context in Rust, so a byte token
   that ends halfway through a UTF-8 character yields nothing until the character completes,

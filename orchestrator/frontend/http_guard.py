@@ -12,8 +12,9 @@ Each request's scope also carries two extensions for `asgi.Exchange`:
   reading (a write that cannot finish), where the response can be neither completed nor
   abandoned cleanly through ASGI;
 - `CHUNK_WRITER_EXTENSION`, a `ChunkWriter`: a streamed body's chunks go straight to the
-  transport, pre-framed, instead of through an ASGI message, the middleware's send wrappers
-  and uvicorn's send, which cost more than the rest of a streamed token's work."""
+  transport, pre-framed, instead of through an ASGI message, the middleware's send wrappers,
+  uvicorn's send and a stall timer, which cost about a tenth of a paced chunk's frontend CPU
+  (docs/frontend.md, "Cost")."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ class ChunkWriter:
         )
 
     def write(self, body: bytes) -> None:
-        self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        if body:  # an empty chunk is the body's end marker
+            self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
 
 
 class _GuardedHttpToolsProtocol(HttpToolsProtocol):

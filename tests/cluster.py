@@ -67,9 +67,13 @@ def start_workers(
 def start_frontend(
     stack: ExitStack, plane_args: list[str], tmp_path: Path, workers: int, *args: str
 ) -> tuple[str, subprocess.Popen[bytes]]:
-    """A frontend with `args`, once it is healthy and knows `workers` workers: its URL and process."""
+    """A frontend with `args`, once it is healthy and knows `workers` workers: its URL and process.
+    One process unless `args` say otherwise: these tests check one router's decisions and its
+    metrics, which `--processes N` replicates (tests/cli/test_frontend_processes.py covers N)."""
     port = free_port()
     log = tmp_path / "frontend.log"
+    if "--processes" not in args:
+        args = ("--processes", "1", *args)
     frontend = stack.enter_context(weir_process("frontend", *plane_args, "--port", str(port), *args, log=log))
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, frontend, log)

@@ -9,7 +9,9 @@ plane, `router/subscriber.py`), its own listening socket on the shared port
 - The supervisor reserves the port (and the probe port) before any child starts, so
   `--port 0` resolves once, and prints the ready line only when every child is serving.
 - Children record metrics into one prometheus multiprocess directory, so any child's
-  /metrics answers for all (`frontend/metrics.py`).
+  /metrics answers for all (`frontend/metrics.py`). The directory is named for the
+  supervisor's pid: a supervisor that was SIGKILLed cannot remove its own, so the next one
+  to start removes every directory whose supervisor no longer runs.
 - SIGINT or SIGTERM to the supervisor becomes one SIGTERM to each child, which drains; the
   children run in their own process group so a terminal's Ctrl-C reaches them only that way.
   A child dies with its supervisor (PR_SET_PDEATHSIG), even when the supervisor is killed.
@@ -56,6 +58,7 @@ HEALTHY_RUN_S = 60.0
 EXIT_GRACE_S = 10.0
 
 _PR_SET_PDEATHSIG = 1
+_METRICS_DIR_PREFIX = "weir-frontend-metrics-"
 _BOOTSTRAP = (
     "import sys; from orchestrator.cli.processes import child_main; "
     "child_main(int(sys.argv[1]), int(sys.argv[2]))"
@@ -110,6 +113,24 @@ class _Child:
         self.ready = None
 
 
+def remove_orphaned_metrics_dirs() -> None:
+    """Remove the metrics directories of supervisors that died without removing their own."""
+    for directory in Path(tempfile.gettempdir()).glob(f"{_METRICS_DIR_PREFIX}*-*"):
+        pid = directory.name.removeprefix(_METRICS_DIR_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: running
+        pass
+    return True
+
+
 class Supervisor:
     """Runs `processes` children of `target(payload, ready)` until SIGINT/SIGTERM."""
 
@@ -118,7 +139,8 @@ class Supervisor:
         self.payload = payload
         self.processes = processes
         self.stop_timeout_s = drain_timeout_s + EXIT_GRACE_S
-        self.metrics_dir = Path(tempfile.mkdtemp(prefix="weir-frontend-metrics-"))
+        remove_orphaned_metrics_dirs()
+        self.metrics_dir = Path(tempfile.mkdtemp(prefix=f"{_METRICS_DIR_PREFIX}{os.getpid()}-"))
         self._children: dict[int, _Child] = {}
         self._restart_at: dict[int, float] = {}
         self._delay = dict.fromkeys(range(processes), RESTART_DELAY_S)

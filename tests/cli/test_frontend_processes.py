@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
@@ -163,6 +164,12 @@ def test_children_die_with_a_killed_supervisor(cluster: tuple[list[str], ExitSta
         proc.kill()
         proc.wait(timeout=10)
         wait_until(lambda: not any(alive(kid) for kid in kids), "the children to exit", 30)
+    # The killed supervisor left its metrics directory; the next one to start removes it.
+    orphans = list(Path(tempfile.gettempdir()).glob(f"weir-frontend-metrics-{proc.pid}-*"))
+    assert len(orphans) == 1
+    with tempfile.TemporaryDirectory(prefix=f"weir-frontend-metrics-{os.getpid()}-") as live:
+        assert Supervisor(exit_at_once, 3, processes=1, drain_timeout_s=1).run(lambda: None) == 3
+        assert not orphans[0].exists() and Path(live).exists()  # a running supervisor's stays
 
 
 def test_the_probe_port_is_shared_too(cluster: tuple[list[str], ExitStack], tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ over real etcd, NATS and a mocker worker, seen through the port and /proc."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -77,6 +78,10 @@ def cluster(etcd_url: str, nats_url: str, tmp_path: Path) -> Iterator[tuple[list
         yield plane_args, stack
 
 
+def _lists_a_model(client: httpx.Client) -> bool:
+    return bool(client.get("/v1/models").json()["data"])
+
+
 def complete(url: str, max_tokens: int = 4) -> str:
     # A client of its own: its own connection, which the kernel may give to either process.
     with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30) as client:
@@ -98,11 +103,7 @@ def test_every_process_takes_connections_and_each_ones_metrics_count_all(
         clients = [httpx.Client(base_url=url, timeout=30) for _ in range(24)]
         try:
             for client in clients:
-                wait_until(
-                    lambda c=client: bool(c.get("/v1/models").json()["data"]),
-                    "each process to list the model",
-                    30,
-                )
+                wait_until(functools.partial(_lists_a_model, client), "each process to list the model", 30)
             held = serving_pids(port)
             assert set(held) == kids, held
             with ThreadPoolExecutor(8) as pool:

@@ -6,7 +6,9 @@ import torch."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
+from typing import Any
 
 from backends.deepinfer.config import EngineConfig
 from backends.registry import BackendSpec
@@ -49,6 +51,16 @@ def add_deepinfer_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     g.add_argument("--seed", type=int, default=d.seed, help="seed for unseeded sampling")
+    g.add_argument(
+        "--speculative-config",
+        type=speculative_config,
+        default={},
+        metavar="JSON",
+        help="speculative decoding, as vLLM's flag: "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 2}\' drafts up to 4 tokens per decode step from a recurring '
+        f"n-gram (lookup sizes default to {d.prompt_lookup_min}..{d.prompt_lookup_max}); off by default",
+    )
     t = parser.add_argument_group("KV tiers below the engine's cache (kvbm)")
     t.add_argument(
         "--host-cache-gb",
@@ -70,6 +82,39 @@ def add_deepinfer_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="G4: a Redis shared by every worker of the model, e.g. redis://kv-cache:6379/0",
     )
+
+
+_SPECULATIVE_FIELDS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+def speculative_config(text: str) -> dict[str, Any]:
+    """`--speculative-config`'s JSON as `EngineConfig` fields; only the n-gram method, which
+    needs no draft model."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(spec, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    method = spec.pop("method", None)
+    if method != "ngram":
+        raise argparse.ArgumentTypeError(
+            f'method {method!r} is not supported; DeepInfer speculates with "ngram"'
+        )
+    unknown = sorted(set(spec) - set(_SPECULATIVE_FIELDS))
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown fields {unknown}; known: method, {', '.join(_SPECULATIVE_FIELDS)}"
+        )
+    if "num_speculative_tokens" not in spec:
+        raise argparse.ArgumentTypeError("the ngram method needs num_speculative_tokens")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in spec.values()):
+        raise argparse.ArgumentTypeError(f"{', '.join(spec)} must be positive integers")
+    spec.setdefault("prompt_lookup_max", max(_DEFAULTS.prompt_lookup_max, spec.get("prompt_lookup_min", 0)))
+    spec.setdefault("prompt_lookup_min", min(_DEFAULTS.prompt_lookup_min, spec["prompt_lookup_max"]))
+    if spec["prompt_lookup_min"] > spec["prompt_lookup_max"]:
+        raise argparse.ArgumentTypeError("prompt_lookup_min must not exceed prompt_lookup_max")
+    return spec
 
 
 def deepinfer_config_from_args(args: argparse.Namespace, model_dir: Path, served_name: str) -> EngineConfig:
@@ -96,6 +141,7 @@ def deepinfer_config_from_args(args: argparse.Namespace, model_dir: Path, served
         disk_cache_gb=args.disk_cache_gb,
         disk_cache_min_reuse=args.disk_cache_min_reuse,
         redis_url=args.redis_url,
+        **args.speculative_config,
     )
 
 

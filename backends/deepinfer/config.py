@@ -30,6 +30,11 @@ class EngineConfig:
     # often: disk writes are the scarcest bandwidth, and most blocks are never reused.
     disk_cache_min_reuse: int = 1
     redis_url: str | None = None  # shared by every worker of the model
+    # Speculative decoding by n-gram prompt lookup (ngram.py): up to this many draft tokens per
+    # decode step, from a recurring suffix of prompt_lookup_min..prompt_lookup_max tokens; 0: off.
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -46,5 +51,12 @@ class EngineConfig:
             raise ValueError("the disk and Redis KV tiers sit below the host tier: set host_cache_gb too")
         if self.disk_cache_dir and not self.disk_cache_gb:
             raise ValueError("disk_cache_dir needs disk_cache_gb")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
         if not self.enable_prefix_caching and self.host_cache_gb:
             raise ValueError("KV tiers hold prefix-cached blocks: they need prefix caching on")

@@ -22,13 +22,13 @@ from typing import Protocol
 import torch
 from tokenizers import Tokenizer
 
-from backends.deepinfer import transfers
+from backends.deepinfer import metrics, transfers
 from backends.deepinfer.config import EngineConfig
 from backends.deepinfer.guided import Grammar, GuidedDecoding
 from backends.deepinfer.kv_cache import PagedKVCache
 from backends.deepinfer.kv_tiers import build_tiers, kv_layout_id
 from backends.deepinfer.outputs import SampledToken, SchedulerOutput, SeqOutput
-from backends.deepinfer.sampler import Sampler, validate_request
+from backends.deepinfer.sampler import Sampler, sample_rows, validate_request
 from backends.deepinfer.scheduler import Scheduler
 from backends.deepinfer.sequence import Sequence
 from kvbm.records import Payload
@@ -47,8 +47,8 @@ class Runner(Protocol):
     kv_cache: PagedKVCache  # used with KV tiers and disaggregation
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """float32 logits, one row per chunk with `sample=True`, in chunk order; `out.loads`
-        written into the cache before any layer reads them."""
+        """float32 logits, `1 + len(chunk.draft)` rows per chunk with `sample=True`, in chunk
+        order; `out.loads` written into the cache before any layer reads them."""
         ...
 
 
@@ -61,6 +61,7 @@ class Engine:
         self.config = config
         self.runner = runner
         self.model_dir = Path(config.model)
+        self.name = config.served_model_name or self.model_dir.name
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = eos_token_ids(
             self.model_dir, Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
@@ -81,6 +82,7 @@ class Engine:
         self.last_step_tokens = 0  # tokens the last step ran (0: nothing could be scheduled)
         # The forward's time per step shape, reported to routers (LoadReport.step_time).
         self.step_fit = StepTimeFit()
+        metrics.ENGINES.add(self)
 
     @property
     def guided(self) -> GuidedDecoding:
@@ -190,12 +192,13 @@ class Engine:
     def run(self, out: SchedulerOutput) -> list[SampledToken]:
         """Forward (onboarded KV in layer by layer), grammar mask, sampling for the chunks that sample."""
         logits = self.runner.execute(out)
-        seqs = [c.seq for c in out.chunks if c.sample]
-        if not seqs:
+        chunks = [c for c in out.chunks if c.sample]
+        if not chunks:
             return []
-        if self._guided is not None:
-            self._guided.apply_mask(logits, [s.request_id for s in seqs])
-        return self.sampler(logits, seqs)
+        if self._guided is not None:  # guided requests are never drafted: one row each
+            ids = [c.seq.request_id for c in chunks for _ in range(1 + len(c.draft))]
+            self._guided.apply_mask(logits, ids)
+        return self.sampler(logits, [row for c in chunks for row in sample_rows(c)])
 
     def postprocess(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[SeqOutput]:
         outputs = self.scheduler.postprocess(out, sampled)

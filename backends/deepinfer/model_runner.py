@@ -128,8 +128,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one step; return float32 logits `[S, vocab]` for the chunks with `sample=True`,
-        in chunk order (S may be 0). Every chunk's tokens are written to the KV cache, and
-        the step's onboarded blocks (`out.loads`) before any layer reads them."""
+        in chunk order, `1 + len(chunk.draft)` rows each (S may be 0). Every chunk's tokens
+        are written to the KV cache, and the step's onboarded blocks (`out.loads`) before any
+        layer reads them."""
         arrival = None
         if out.loads:
             arrival = self.kv_cache.start_write(
@@ -172,8 +173,8 @@ class ModelRunner:
         decode_seqs: list[Sequence] = []
         sample_index: list[int] = []
         for chunk in chunks:
-            seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
-            if chunk.num_tokens <= 0 or end > len(seq.token_ids) or end > self.max_model_len:
+            seq, start, known, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens, chunk.end
+            if chunk.num_tokens <= 0 or known > len(seq.token_ids) or end > self.max_model_len:
                 raise ValueError(
                     f"request {seq.request_id}: bad chunk [{start}, {end}) for {len(seq.token_ids)} tokens"
                     f" (max_model_len {self.max_model_len})"
@@ -182,19 +183,20 @@ class ModelRunner:
             if len(table) * bs < end:
                 raise ValueError(f"request {seq.request_id}: {len(seq.block_table)} blocks for {end} tokens")
             begin = len(ids)
-            ids.extend(seq.token_ids[start:end])
+            ids.extend(seq.token_ids[start:known])
+            ids.extend(chunk.draft)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if chunk.num_tokens == 1:
+            if end - start == 1:
                 decode_index.append(begin)
                 decode_tables.append(table)
                 decode_lengths.append(end)
                 decode_seqs.append(seq)
-            else:
+            else:  # a prompt chunk, or a decode step with its draft: attended like a prompt's
                 context = self._tensor(table) if start else None
                 prefills.append(PrefillSpan(begin, len(ids), start, context))
-            if chunk.sample:
-                sample_index.append(len(ids) - 1)
+            if chunk.sample:  # the last known token's row, then one per draft token
+                sample_index.extend(range(begin + chunk.num_tokens - 1, len(ids)))
         batch = ForwardBatch(
             input_ids=self._tensor(ids),
             positions=self._tensor(positions),

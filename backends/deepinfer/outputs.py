@@ -24,15 +24,23 @@ class BlockLoad(NamedTuple):
 
 @dataclass(slots=True)
 class ScheduledChunk:
-    """One sequence's share of a step: tokens [start, start + num_tokens) of `seq.token_ids`.
+    """One sequence's share of a step: tokens [start, start + num_tokens) of `seq.token_ids`
+    followed by `draft`, speculated tokens not in `seq.token_ids` yet (a decode step only).
 
     `sample` is true when the chunk reaches the end of the sequence's known tokens, so the
-    step produces its next token (a finished prefill, or a decode step)."""
+    step produces its next token (a finished prefill, or a decode step); a chunk with a draft
+    is sampled at its last known token and at every draft token, to verify them."""
 
     seq: Sequence
     start: int
     num_tokens: int
     sample: bool
+    draft: list[int] = field(default_factory=list)
+
+    @property
+    def end(self) -> int:
+        """Where the chunk ends: its known tokens and its draft."""
+        return self.start + self.num_tokens + len(self.draft)
 
 
 @dataclass(slots=True)
@@ -45,7 +53,7 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        return sum(c.num_tokens + len(c.draft) for c in self.chunks)
 
     @property
     def is_empty(self) -> bool:
@@ -60,6 +68,7 @@ class SchedulerOutput:
             seq = chunk.seq
             if chunk.num_tokens == 1 and len(seq.token_ids) > seq.num_prompt_tokens:
                 decoding = True
+                prefill_tokens += len(chunk.draft)  # verified like a prompt's tokens
             else:
                 prefill_tokens += chunk.num_tokens
         return prefill_tokens, decoding

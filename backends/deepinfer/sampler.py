@@ -24,12 +24,13 @@ argmax. In deterministic mode rows are processed one at a time, which makes ever
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from backends.deepinfer.draws import position_uniform
-from backends.deepinfer.outputs import SampledToken
-from backends.deepinfer.sequence import Sequence
+from backends.deepinfer.outputs import SampledToken, ScheduledChunk
 from orchestrator.runtime.protocol import SamplingOptions, WorkerRequest
 
 _GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
@@ -64,6 +65,43 @@ def validate_request(request: WorkerRequest, vocab_size: int) -> None:
             raise ValueError(f"{name} holds ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
 
 
+class SampleRow(Protocol):
+    """What sampling one row reads of its sequence (a `Sequence` is one)."""
+
+    @property
+    def request(self) -> WorkerRequest: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_completion_tokens(self) -> int: ...
+
+
+@dataclass(slots=True)
+class DraftedRow:
+    """A sequence as it will stand if the draft tokens before this row are accepted, so a
+    draft's row samples exactly as the decode step after them would: penalties over those
+    tokens, `min_tokens` counted with them, the seeded draw of that output position."""
+
+    request: WorkerRequest
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+def sample_rows(chunk: ScheduledChunk) -> list[SampleRow]:
+    """The rows a sampled chunk's logits have: its sequence, then one per draft token."""
+    seq = chunk.seq
+    rows: list[SampleRow] = [seq]
+    for j in range(1, len(chunk.draft) + 1):
+        rows.append(DraftedRow(seq.request, [*seq.token_ids, *chunk.draft[:j]], seq.num_prompt_tokens))
+    return rows
+
+
 def _is_greedy(s: SamplingOptions) -> bool:
     return s.temperature < _GREEDY_EPS
 
@@ -78,7 +116,7 @@ class Sampler:
         self._seed = seed
         self._generator: torch.Generator | None = None  # unseeded rows, created on the logits' device
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+    def __call__(self, logits: torch.Tensor, seqs: list[SampleRow]) -> list[SampledToken]:
         """Sample one token per row; row i belongs to `seqs[i]`. `logits` is (len(seqs), vocab)."""
         if self.deterministic and len(seqs) > 1:
             return [t for i, seq in enumerate(seqs) for t in self._sample(logits[i : i + 1], [seq])]
@@ -86,7 +124,7 @@ class Sampler:
 
     # ------------------------------------------------------------------ the pipeline
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+    def _sample(self, logits: torch.Tensor, seqs: list[SampleRow]) -> list[SampledToken]:
         params = [seq.request.sampling for seq in seqs]
         logits = logits.float()
         num_logprobs = [seq.request.logprobs for seq in seqs]
@@ -110,7 +148,7 @@ class Sampler:
             return [SampledToken(t) for t in token_ids]
         return _with_logprobs(raw_logprobs, sampled, token_ids, num_logprobs)
 
-    def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[SampleRow]) -> torch.Tensor:
         rows: list[int] = []
         cols: list[int] = []
         for i, seq in enumerate(seqs):
@@ -143,7 +181,7 @@ class Sampler:
         return logits
 
     def _sample_random(
-        self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingOptions], greedy: list[bool]
+        self, logits: torch.Tensor, seqs: list[SampleRow], params: list[SamplingOptions], greedy: list[bool]
     ) -> torch.Tensor:
         device = logits.device
         # Greedy rows ride along with temperature 1; their draw is discarded by the caller.
@@ -200,7 +238,7 @@ def _padded_ids(rows: list[list[int]], device: torch.device) -> tuple[torch.Tens
     return torch.tensor(padded, device=device), nonempty
 
 
-def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def _apply_penalties(logits: torch.Tensor, seqs: list[SampleRow]) -> torch.Tensor:
     """Penalties touch only the ids a row has seen: gathers and scatters over (rows, tokens
     seen), not passes over the whole vocabulary."""
     params = [seq.request.sampling for seq in seqs]

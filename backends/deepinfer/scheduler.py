@@ -10,6 +10,15 @@ back to waiting with its tokens, and the prefix cache usually gives most of its 
 Disaggregation: a prefill-only request finishes after its first token ("length") with its
 prompt's blocks held under its request id (`held`), until `release` drops them.
 
+Speculative decoding (`num_speculative_tokens`): a decode step may carry draft tokens from
+the n-gram proposer (ngram.py), which the step computes like a prompt chunk and samples at
+every position. `postprocess` keeps the sampled tokens up to and including the first one that
+differs from its draft: each was sampled from the sequence as it stood with the drafts before
+it, so the output is what plain decoding would give (for a seeded request too, whose draws
+are by output position). The KV written for rejected drafts lies past `num_computed_tokens`,
+where the next step overwrites it. Guided requests are not drafted: their grammar would have
+to advance through every draft.
+
 Nothing here touches torch; the model runner reads each ScheduledChunk and `seq.block_table`.
 """
 
@@ -22,6 +31,7 @@ from collections.abc import Sequence as Seq
 
 from backends.deepinfer.config import EngineConfig
 from backends.deepinfer.kv_cache_manager import Held, KVCacheManager
+from backends.deepinfer.ngram import NgramProposer
 from backends.deepinfer.outputs import SampledToken, ScheduledChunk, SchedulerOutput, SeqOutput
 from backends.deepinfer.sequence import Sequence, SequenceStatus
 from kvbm.tiered import TieredStore
@@ -53,6 +63,13 @@ class Scheduler:
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = 0
         self._waiting_tokens = 0  # sum of len(seq) over `waiting`, kept so load reports are cheap
+        self.proposer = (
+            NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+            if config.num_speculative_tokens
+            else None
+        )
+        self.num_draft_tokens = 0  # draft tokens verified, ever
+        self.num_accepted_tokens = 0  # of those, the ones the model agreed with
 
     # ------------------------------------------------------------------ requests
 
@@ -139,15 +156,28 @@ class Scheduler:
             seq = running[i]
             start, total = seq.num_computed_tokens, len(seq.token_ids)
             n = total - start if total - start < budget else budget
+            draft = self._draft(seq, budget - n) if self.proposer is not None and n == 1 else []
             # Most decode steps fit in the last block's free slots: nothing to allocate.
-            if start + n > len(seq.block_table) * block_size:
-                if not self._make_room(seq, n, out):
+            if start + n + len(draft) > len(seq.block_table) * block_size:
+                if not self._make_room(seq, n + len(draft), out):
                     break  # seq itself was preempted; everything after it already was
-                self.kv_cache.allocate(seq, n)
-            chunks.append(ScheduledChunk(seq, start, n, start + n == total))
-            budget -= n
+                self.kv_cache.allocate(seq, n + len(draft))
+            chunks.append(ScheduledChunk(seq, start, n, start + n == total, draft))
+            budget -= n + len(draft)
             i += 1
         return budget
+
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        """Draft tokens for a decode step of `seq`: none past its max_tokens or the context
+        limit (where the step's last sampled token may fall), or beyond the step's budget."""
+        request = seq.request
+        if request.guided is not None or len(seq.token_ids) <= seq.num_prompt_tokens:
+            return []
+        room = min(budget, request.max_tokens - seq.num_completion_tokens - 1)
+        if self.max_model_len:
+            room = min(room, self.max_model_len - len(seq.token_ids) - 1)
+        assert self.proposer is not None
+        return self.proposer.propose(seq.token_ids, room)
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Preempt from the back of `running` until `seq` fits; False if `seq` itself went."""
@@ -204,25 +234,39 @@ class Scheduler:
         """Apply a finished step: `sampled` holds one token per chunk with `sample=True`, in
         chunk order. Appends tokens, applies stop conditions, frees finished sequences."""
         results: list[SeqOutput] = []
-        tokens = iter(sampled)
+        i = 0
         any_finished = False
         kv, block_size, running = self.kv_cache, self.block_size, SequenceStatus.RUNNING
         for chunk in out.chunks:
-            seq = chunk.seq
-            token = next(tokens) if chunk.sample else None
+            seq, draft = chunk.seq, chunk.draft
+            rows = sampled[i : i + 1 + len(draft)] if chunk.sample else sampled[i:i]
+            i += len(rows)
             if seq.status is not running:
                 continue  # aborted while the step ran
-            seq.num_computed_tokens += chunk.num_tokens
-            if seq.num_computed_tokens >= (seq.num_registered_blocks + 1) * block_size:
+            # The known tokens' KV, and each accepted draft token's (reaching past the prompt
+            # only for a sampled chunk, whose tokens are appended first).
+            computed = seq.num_computed_tokens + chunk.num_tokens
+            reason: str | None = None
+            new: list[SampledToken] = []
+            for j, token in enumerate(rows):
+                new.append(token)
+                seq.token_ids.append(token.token_id)
+                reason = self._stop_reason(seq, token.token_id)
+                if reason is not None or j == len(draft) or token.token_id != draft[j]:
+                    break
+                computed += 1  # the draft token this one confirms is now the sequence's
+            if draft:
+                self.num_draft_tokens += len(draft)
+                self.num_accepted_tokens += len(new) - 1
+            seq.num_computed_tokens = computed
+            if computed >= (seq.num_registered_blocks + 1) * block_size:
                 kv.cache_full_blocks(seq)  # a block filled up
-            if token is None:
+            if not new:
                 continue
-            seq.token_ids.append(token.token_id)
-            reason = self._stop_reason(seq, token.token_id)
             if reason is not None:
                 self._finish(seq, reason)
                 any_finished = True
-            results.append(SeqOutput(seq, [token], reason is not None))
+            results.append(SeqOutput(seq, new, reason is not None))
         if any_finished:
             self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         return results

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence as Seq
-from pathlib import Path
 
 from backends.deepinfer.args import add_deepinfer_arguments, deepinfer_config_from_args
 from backends.deepinfer.async_engine import AsyncEngine
@@ -53,7 +52,7 @@ class DeepInferWorker:
             return
         engine = await asyncio.to_thread(Engine, self.config)
         self._card = ModelCard(
-            name=self.config.served_model_name or Path(self.config.model).name,
+            name=engine.name,
             model_path=str(engine.model_dir),
             context_length=engine.max_model_len,
             block_size=self.config.block_size,

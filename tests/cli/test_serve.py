@@ -185,3 +185,43 @@ def test_ttft_routing_serves(tmp_path: Path) -> None:
         labels = f'mode="ttft",model="{DEFAULT_MODEL}"'
         assert metric(metrics, "weir_router_decisions_total", labels) == 3
         assert metric(metrics, "weir_router_predicted_ttft_seconds_count", labels) == 3
+
+
+def test_deepinfer_speculative_decoding_serves(tmp_path: Path) -> None:
+    """`--speculative-config` (vLLM's n-gram JSON) on DeepInfer: the stream is whole and the
+    drafts it verified, and accepted, are on /metrics."""
+    from backends.deepinfer.tiny import build_checkpoint
+
+    model = build_checkpoint(tmp_path / "tiny-llama", "llama")
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+    argv = ["serve", "--backend", "deepinfer", "--model", str(model), "--served-model-name", "tiny"]
+    argv += ["--num-kv-blocks", "64", "--speculative-config", spec, "--port", "0"]
+    log = tmp_path / "serve.log"
+    with weir_process(*argv, log=log, env={"OMP_NUM_THREADS": "1"}) as proc:
+        base_url = wait_banner(proc, log)
+        wait_healthy(base_url, proc, log)
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = client.completions.create(
+            model="tiny",
+            prompt=list(range(5, 29)),
+            max_tokens=64,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        usage = [chunk.usage for chunk in stream if chunk.usage is not None]
+        assert usage and usage[-1].completion_tokens == 64
+        metrics = httpx.get(f"{base_url}/metrics", timeout=5).text
+        drafted = metric(metrics, "weir_deepinfer_spec_draft_tokens_total", 'model="tiny"')
+        accepted = metric(metrics, "weir_deepinfer_spec_accepted_tokens_total", 'model="tiny"')
+        assert drafted > 0 and 0 < accepted <= drafted, (drafted, accepted)
+        assert stop(proc, signal.SIGTERM) == 0
+
+
+def test_an_unsupported_speculative_method_is_refused_at_start(tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    spec = '{"method": "eagle", "num_speculative_tokens": 4}'
+    with weir_process("serve", "--speculative-config", spec, "--port", "0", log=log) as proc:
+        assert proc.wait(timeout=60) == 2
+    assert 'DeepInfer speculates with "ngram"' in log.read_text()

@@ -207,16 +207,16 @@ async def _client(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------- driver
 
 
-def _cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def _tree_cpu_seconds(pid: int) -> float:
+def tree_cpu_seconds(pid: int) -> float:
     """A process's CPU and that of its live children: `weir frontend --processes N`'s
     supervisor and its N frontends."""
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return _cpu_seconds(pid) + sum(_cpu_seconds(int(child)) for child in children)
+    return cpu_seconds(pid) + sum(cpu_seconds(int(child)) for child in children)
 
 
 def _children_cpu_seconds() -> float:
@@ -231,11 +231,11 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 @contextlib.contextmanager
-def _spawn(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+def spawn(argv: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
     from tests.servers import stop_process
 
     with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=out, cwd=ROOT)
+        proc = subprocess.Popen(argv, stdout=out, stderr=out, cwd=ROOT, env=env)
     try:
         yield proc
     finally:
@@ -272,7 +272,7 @@ class Cluster:
                 name = f"bench-worker-{self._worker_sets}-{i}"
                 argv = [*self.planes, "--model-dir", self.args.model_dir, "--speedup", str(speedup)]
                 argv += ["--instance-id", name]
-                procs.append(stack.enter_context(_spawn(_role("worker", argv), self.work / f"{name}.log")))
+                procs.append(stack.enter_context(spawn(_role("worker", argv), self.work / f"{name}.log")))
             yield procs
 
     @contextlib.contextmanager
@@ -286,7 +286,7 @@ class Cluster:
         argv += ["--weir-namespace", NAMESPACE, "--port", str(port), "--processes", str(processes)]
         argv += ["--router-mode", self.args.router_mode, "--log-level", "warning"]
         log = self.work / f"frontend-{processes}.log"
-        with _spawn(argv, log) as proc:
+        with spawn(argv, log) as proc:
 
             def seen() -> bool:
                 # Fresh connections, which the kernel spreads over the processes.
@@ -329,8 +329,8 @@ class Cluster:
             return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
         def cpu() -> tuple[float, float, float]:
-            workers_cpu = sum(_cpu_seconds(w.pid) for w in workers)
-            return _tree_cpu_seconds(frontend.pid), workers_cpu, _children_cpu_seconds()
+            workers_cpu = sum(cpu_seconds(w.pid) for w in workers)
+            return tree_cpu_seconds(frontend.pid), workers_cpu, _children_cpu_seconds()
 
         run_client(self.args.warmup)
         before = cpu()
@@ -363,7 +363,7 @@ class Cluster:
 
         port = free_port()
         argv = _role("bare", ["--port", str(port), "--output-tokens", str(self.args.output_tokens)])
-        with _spawn(argv, self.work / "bare.log") as bare:
+        with spawn(argv, self.work / "bare.log") as bare:
             wait_for_port(port, proc=bare)
             return self.measure(port, bare, [], concurrency)
 

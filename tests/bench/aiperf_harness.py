@@ -7,7 +7,7 @@ aiperf lives in its own virtual environment (its dependency set clashes with our
 
 The command line `aiperf_command` builds (values from its arguments)::
 
-    aiperf profile --model MODEL --url URL --endpoint-type completions --streaming
+    aiperf profile --model MODEL --url URL --endpoint-type ENDPOINT --streaming
         --tokenizer TOKENIZER_DIR --use-server-token-count
         --isl INPUT_TOKENS --isl-stddev 0 --osl OUTPUT_TOKENS --osl-stddev OUTPUT_STDDEV
         --extra-inputs '{"ignore_eos": true, "min_tokens": N, "max_tokens": N}'  (N only if fixed)
@@ -137,8 +137,10 @@ def aiperf_command(
     workers: int = 1,
     record_processors: int = 1,
     seed: int | None = None,
+    endpoint: str = "completions",
 ) -> list[str]:
-    """The `aiperf profile` argv for one run (see the module docstring)."""
+    """The `aiperf profile` argv for one run (see the module docstring); `endpoint` is aiperf's
+    endpoint type (`completions` or `chat`)."""
     # Drawn output lengths reach the server as each request's max_tokens, which ignore_eos makes
     # exact; a fixed length is also pinned by min_tokens and max_tokens.
     extra: dict[str, object] = {"ignore_eos": True}
@@ -148,7 +150,7 @@ def aiperf_command(
         executable,
         "profile",
         *("--model", model, "--url", url),
-        *("--endpoint-type", "completions", "--streaming"),
+        *("--endpoint-type", endpoint, "--streaming"),
         *("--tokenizer", tokenizer_dir, "--use-server-token-count"),
         *("--isl", str(input_tokens), "--isl-stddev", "0"),
         *("--osl", str(output_tokens), "--osl-stddev", f"{output_stddev:g}"),

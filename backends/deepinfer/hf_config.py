@@ -40,6 +40,12 @@ class HFConfig:
         return str(archs[0])
 
     @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer: `num_experts` as Qwen's checkpoints name it, or
+        `num_local_experts` as transformers 5 writes it."""
+        return int(self.get("num_experts") or self.get("num_local_experts") or 0)
+
+    @property
     def head_dim(self) -> int:
         return int(self.get("head_dim") or self.hidden_size // self.num_attention_heads)
 

@@ -1,8 +1,8 @@
 """Tiny local checkpoints: a byte-level BPE tokenizer trained here and random-weight models.
 
-Nothing is downloaded. Tests build Llama, Qwen2, Qwen3 and DeepSeek-V3 checkpoints in the Hugging Face
-layout (config.json, model.safetensors, tokenizer files), so the same directory feeds DeepInfer
-and, as the reference, transformers. Everything is deterministic given the seed.
+Nothing is downloaded. Tests build Llama, Qwen2, Qwen3, Qwen3-MoE and DeepSeek-V3 checkpoints in
+the Hugging Face layout (config.json, model.safetensors, tokenizer files), so the same directory
+feeds DeepInfer and, as the reference, transformers. Everything is deterministic given the seed.
 
     from backends.deepinfer.tiny import build_checkpoint
     model_dir = build_checkpoint(tmp_path / "llama", "llama")
@@ -21,7 +21,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
-Arch = Literal["llama", "qwen2", "qwen3", "deepseek_v3"]
+Arch = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"]
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -117,6 +117,29 @@ def model_config(arch: Arch, **overrides: Any) -> dict[str, Any]:
         config.update(
             tie_word_embeddings=True, attention_bias=False, use_sliding_window=False, sliding_window=None
         )
+    elif arch == "qwen3_moe":
+        # Three layers: a dense one (mlp_only_layers), then routed experts in every layer after.
+        config = {
+            **common,
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "head_dim": 32,
+        }
+        config.update(
+            num_hidden_layers=3,
+            tie_word_embeddings=False,
+            attention_bias=False,
+            use_sliding_window=False,
+            sliding_window=None,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
+            router_aux_loss_coef=0.001,
+            output_router_logits=False,
+        )
     elif arch == "deepseek_v3":
         config = {**common, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
         config.update(
@@ -200,11 +223,20 @@ def _param_shapes(arch: Arch, c: dict[str, Any]) -> Iterator[tuple[str, tuple[in
                 yield from _mlp_shapes(f"{prefix}.mlp", hidden, c["intermediate_size"])
         else:
             yield from _attention_shapes(f"{prefix}.self_attn", c, qkv_bias=arch == "qwen2")
-            if arch == "qwen3":
+            if arch in ("qwen3", "qwen3_moe"):
                 head_dim = c["head_dim"]
                 yield f"{prefix}.self_attn.q_norm.weight", (head_dim,)
                 yield f"{prefix}.self_attn.k_norm.weight", (head_dim,)
-            yield from _mlp_shapes(f"{prefix}.mlp", hidden, c["intermediate_size"])
+            if (
+                arch == "qwen3_moe"
+                and i not in c["mlp_only_layers"]
+                and (i + 1) % c["decoder_sparse_step"] == 0
+            ):
+                yield f"{prefix}.mlp.gate.weight", (c["num_experts"], hidden)
+                for e in range(c["num_experts"]):
+                    yield from _mlp_shapes(f"{prefix}.mlp.experts.{e}", hidden, c["moe_intermediate_size"])
+            else:
+                yield from _mlp_shapes(f"{prefix}.mlp", hidden, c["intermediate_size"])
 
 
 def _attention_shapes(

@@ -112,6 +112,11 @@ TINY_CASES: dict[str, tuple[Arch, dict[str, Any]]] = {
     ),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),  # q/k norm, head_dim 32 != 64 / 4 heads, tied
+    "qwen3_moe": ("qwen3_moe", {}),  # a dense layer, then softmax top-2 of 8 experts
+    "qwen3_moe-unnormalized-every-other": (
+        "qwen3_moe",
+        {"norm_topk_prob": False, "decoder_sparse_step": 2, "mlp_only_layers": []},
+    ),
     "deepseek_v3": ("deepseek_v3", {}),
     "deepseek_v3-no-q-lora-yarn": (
         "deepseek_v3",
@@ -231,12 +236,13 @@ def test_bfloat16_is_as_close_to_float32_as_the_reference_in_bfloat16(
     assert (logits - exact).abs().max() <= 1.5 * (theirs - exact).abs().max() + 0.05
 
 
-@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["tiny_llama_dir", "tiny_deepseek_dir", "tiny_qwen3_moe_dir"])
 def test_loads_a_checkpoint_saved_by_transformers(
-    name: str, tiny_llama_dir: Path, tiny_deepseek_dir: Path, tmp_path: Path
+    name: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    """transformers 5 writes `rope_parameters` instead of `rope_theta`/`rope_scaling`."""
-    ref = reference(tiny_llama_dir if name == "llama" else tiny_deepseek_dir)
+    """transformers 5 writes `rope_parameters` instead of `rope_theta`/`rope_scaling`, and
+    stores experts as it converted them on loading."""
+    ref = reference(request.getfixturevalue(name))
     ref.save_pretrained(tmp_path)
     runner = make_runner(tmp_path)
     prompts = random_prompts(runner.vocab_size, (6, 10), seed=8)

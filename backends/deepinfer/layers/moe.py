@@ -1,14 +1,22 @@
-"""DeepSeekMoE: shared experts plus routed experts chosen by `noaux_tc` grouped top-k.
+"""Mixture-of-experts feed-forward blocks: routed experts in fused weights, and two routers.
 
-Routing (DeepSeek-V3): sigmoid scores per expert; the choice adds `e_score_correction_bias`
-(the auxiliary-loss-free balancing term), keeps the `topk_group` groups whose two best experts
-score highest, then the top `num_experts_per_tok` experts within them. The mixing weights are
-the unbiased scores of the chosen experts, renormalized (`norm_topk_prob`) and multiplied by
-`routed_scaling_factor`.
+- DeepSeekMoE (DeepSeek-V3): shared experts plus routed experts chosen by `noaux_tc` grouped
+  top-k. Sigmoid scores per expert; the choice adds `e_score_correction_bias` (the
+  auxiliary-loss-free balancing term), keeps the `topk_group` groups whose two best experts
+  score highest, then the top `num_experts_per_tok` experts within them. The mixing weights
+  are the unbiased scores of the chosen experts, renormalized (`norm_topk_prob`) and
+  multiplied by `routed_scaling_factor`.
+- Qwen3-MoE: routed experts only, chosen by the top `num_experts_per_tok` of a softmax over
+  all experts, whose probabilities are the mixing weights (renormalized over the chosen ones
+  when `norm_topk_prob`).
+
+Checkpoints store each expert's projections by name (`experts.{e}.{gate,up,down}_proj`);
+`expert_weight_target` maps them onto the fused tensors.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -53,6 +61,22 @@ class GroupedTopKRouter(nn.Module):
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.routed_scaling_factor, experts
+
+
+class SoftmaxTopKRouter(nn.Module):
+    def __init__(self, config: HFConfig) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = bool(config.get("norm_topk_prob", False))
+        self.weight = new_parameter(config.num_experts, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[T, D]` -> (weights `[T, k]` float32, expert ids `[T, k]`)."""
+        probs = F.linear(x, self.weight).softmax(dim=-1, dtype=torch.float32)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
 
 
 class FusedExperts(nn.Module):
@@ -102,3 +126,26 @@ class DeepseekMoE(nn.Module):
         weights, experts = self.gate(x)
         out = self.experts(x, weights, experts)
         return out + self.shared_experts(x) if self.shared_experts is not None else out
+
+
+class Qwen3MoE(nn.Module):
+    def __init__(self, config: HFConfig) -> None:
+        super().__init__()
+        self.gate = SoftmaxTopKRouter(config)
+        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.gate(x)
+        return self.experts(x, weights, experts)
+
+
+_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
+
+
+def expert_weight_target(name: str) -> tuple[str, Any] | None:
+    """The fused parameter and shard id of a per-expert checkpoint tensor; None for any other."""
+    expert = _EXPERT.match(name)
+    if expert is None:
+        return None
+    fused = "w2" if expert["proj"] == "down" else "w13"
+    return f"{expert['prefix']}.{fused}", (int(expert["expert"]), expert["proj"])

@@ -12,10 +12,9 @@ from torch import nn
 from backends.deepinfer.hf_config import HFConfig
 from backends.deepinfer.layers.mla import MLAttention
 from backends.deepinfer.layers.mlp import GatedMLP
-from backends.deepinfer.layers.moe import DeepseekMoE
+from backends.deepinfer.layers.moe import DeepseekMoE, expert_weight_target
 from backends.deepinfer.models.base import CausalLM, DecoderLayer
 
-_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -40,10 +39,4 @@ class DeepseekV3ForCausalLM(CausalLM):
         layer = _LAYER.match(name)
         if layer and int(layer.group(1)) >= self.config.num_hidden_layers:
             return None  # an MTP layer
-        expert = _EXPERT.match(name)
-        if expert:
-            return f"{expert['prefix']}.{'w2' if expert['proj'] == 'down' else 'w13'}", (
-                int(expert["expert"]),
-                expert["proj"],
-            )
-        return super().weight_target(name)
+        return expert_weight_target(name) or super().weight_target(name)

@@ -10,6 +10,7 @@ from backends.deepinfer.models.deepseek_v3 import DeepseekV3ForCausalLM
 from backends.deepinfer.models.llama import LlamaForCausalLM
 from backends.deepinfer.models.qwen2 import Qwen2ForCausalLM
 from backends.deepinfer.models.qwen3 import Qwen3ForCausalLM
+from backends.deepinfer.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
 class ModelClass(Protocol):
@@ -21,6 +22,7 @@ MODELS: dict[str, ModelClass] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 

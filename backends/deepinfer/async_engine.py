@@ -177,6 +177,8 @@ def _usage(seq: Sequence) -> Usage:
         prompt_tokens=seq.num_prompt_tokens,
         completion_tokens=seq.num_completion_tokens,
         cached_tokens=seq.num_cached_tokens,
+        accepted_draft_tokens=seq.num_accepted_tokens,
+        rejected_draft_tokens=seq.num_draft_tokens - seq.num_accepted_tokens,
     )
 
 

@@ -258,6 +258,8 @@ class Scheduler:
             if draft:
                 self.num_draft_tokens += len(draft)
                 self.num_accepted_tokens += len(new) - 1
+                seq.num_draft_tokens += len(draft)
+                seq.num_accepted_tokens += len(new) - 1
             seq.num_computed_tokens = computed
             if computed >= (seq.num_registered_blocks + 1) * block_size:
                 kv.cache_full_blocks(seq)  # a block filled up

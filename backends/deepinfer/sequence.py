@@ -28,8 +28,10 @@ class Sequence:
         "block_table",
         "fetch",
         "finish_reason",
+        "num_accepted_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_draft_tokens",
         "num_prompt_tokens",
         "num_registered_blocks",
         "request",
@@ -50,6 +52,8 @@ class Sequence:
         self.block_hashes: list[int] = list(request.block_hashes)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (for usage)
+        self.num_draft_tokens = 0  # speculated tokens verified for it, and of those accepted
+        self.num_accepted_tokens = 0
         # Leading entries of block_table already offered to the prefix cache (KVCacheManager).
         self.num_registered_blocks = 0
         self.finish_reason: str | None = None

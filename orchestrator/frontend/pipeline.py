@@ -14,7 +14,7 @@ from orchestrator.frontend import dispatch
 from orchestrator.frontend.formatters import ChoiceOutput
 from orchestrator.frontend.preprocessor import Preprocessor
 from orchestrator.frontend.registry import ModelEntry
-from orchestrator.frontend.responses import PromptTokensDetails, UsageInfo
+from orchestrator.frontend.responses import CompletionTokensDetails, PromptTokensDetails, UsageInfo
 from orchestrator.frontend.stop import StopStringMatcher
 from orchestrator.runtime.protocol import WorkerRequest
 from router.protocols import RouteRequest
@@ -27,6 +27,8 @@ class ChoiceState:
     prompt_tokens: int
     completion_tokens: int = 0
     cached_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    rejected_draft_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -51,7 +53,10 @@ class Job:
         prompt = sum(c.prompt_tokens for c in firsts)
         cached = sum(c.cached_tokens for c in firsts)
         completion = sum(c.completion_tokens for c in self.choices)
-        return UsageInfo(prompt, completion, prompt + completion, PromptTokensDetails(cached))
+        accepted = sum(c.accepted_draft_tokens for c in self.choices)
+        rejected = sum(c.rejected_draft_tokens for c in self.choices)
+        drafts = CompletionTokensDetails(accepted, rejected) if accepted or rejected else None
+        return UsageInfo(prompt, completion, prompt + completion, PromptTokensDetails(cached), drafts)
 
     def record(self) -> None:
         usage = self.usage()
@@ -83,6 +88,8 @@ async def run_choice(job: Job, choice: ChoiceState) -> Outputs:
                 choice.completion_tokens = delta.usage.completion_tokens
                 choice.prompt_tokens = delta.usage.prompt_tokens
                 choice.cached_tokens = delta.usage.cached_tokens
+                choice.accepted_draft_tokens = delta.usage.accepted_draft_tokens
+                choice.rejected_draft_tokens = delta.usage.rejected_draft_tokens
             if stop is not None:
                 text, matched = stop.feed(text, final=finish is not None)
                 if matched:

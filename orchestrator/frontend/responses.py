@@ -14,11 +14,21 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0
 
 
-class UsageInfo(msgspec.Struct):
+class CompletionTokensDetails(msgspec.Struct):
+    """OpenAI's names for a prediction's tokens (Predicted Outputs): here speculative decoding's
+    draft tokens the model accepted, and those it rejected."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
+class UsageInfo(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    # Only for requests that were speculated on.
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class ModelInfo(msgspec.Struct):

@@ -113,6 +113,9 @@ class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    # Speculative decoding: draft tokens that became output, and draft tokens thrown away.
+    accepted_draft_tokens: int = 0
+    rejected_draft_tokens: int = 0
 
 
 class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -188,8 +188,9 @@ def test_ttft_routing_serves(tmp_path: Path) -> None:
 
 
 def test_deepinfer_speculative_decoding_serves(tmp_path: Path) -> None:
-    """`--speculative-config` (vLLM's n-gram JSON) on DeepInfer: the stream is whole and the
-    drafts it verified, and accepted, are on /metrics."""
+    """`--speculative-config` (vLLM's n-gram JSON) on DeepInfer: the stream is whole, its usage
+    counts the drafts accepted and rejected (OpenAI's `completion_tokens_details`), and /metrics
+    the drafts verified and accepted."""
     from backends.deepinfer.tiny import build_checkpoint
 
     model = build_checkpoint(tmp_path / "tiny-llama", "llama")
@@ -212,10 +213,16 @@ def test_deepinfer_speculative_decoding_serves(tmp_path: Path) -> None:
         )
         usage = [chunk.usage for chunk in stream if chunk.usage is not None]
         assert usage and usage[-1].completion_tokens == 64
+        details = usage[-1].completion_tokens_details
+        assert details is not None and details.accepted_prediction_tokens
         metrics = httpx.get(f"{base_url}/metrics", timeout=5).text
         drafted = metric(metrics, "weir_deepinfer_spec_draft_tokens_total", 'model="tiny"')
         accepted = metric(metrics, "weir_deepinfer_spec_accepted_tokens_total", 'model="tiny"')
-        assert drafted > 0 and 0 < accepted <= drafted, (drafted, accepted)
+        assert accepted == details.accepted_prediction_tokens
+        assert drafted == accepted + (details.rejected_prediction_tokens or 0), (drafted, details)
+        # A request the proposer finds nothing for reports no details at all.
+        plain = client.completions.create(model="tiny", prompt=[7], max_tokens=1, temperature=0)
+        assert plain.usage is not None and plain.usage.completion_tokens_details is None
         assert stop(proc, signal.SIGTERM) == 0
 
 

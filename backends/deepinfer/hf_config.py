@@ -56,6 +56,15 @@ class HFConfig:
         params = dict(self.get("rope_parameters") or self.get("rope_scaling") or {})
         params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
         params.setdefault("rope_theta", self.get("rope_theta", 10000.0))
-        if params["rope_type"] in ("llama3", "yarn"):
+        kind = params["rope_type"]
+        if kind in ("llama3", "yarn"):
             params.setdefault("original_max_position_embeddings", self.max_position_embeddings)
+        elif kind == "dynamic":  # transformers scales from max_position_embeddings, whatever else is set
+            params["original_max_position_embeddings"] = self.max_position_embeddings
+        elif kind == "longrope":
+            trained = self.get("original_max_position_embeddings", self.max_position_embeddings)
+            params.setdefault("original_max_position_embeddings", trained)
+            params.setdefault(
+                "factor", self.max_position_embeddings / params["original_max_position_embeddings"]
+            )
         return params

@@ -108,13 +108,20 @@ class ModelRunner:
 
     def _max_model_len(self) -> int:
         limit = int(self.hf_config.get("max_position_embeddings", 2048))
+        default = limit
+        rope = self.hf_config.rope_parameters
+        if rope["rope_type"] == "dynamic":
+            limit = int(limit * float(rope["factor"]))  # what the scaling is for, when asked
+        elif rope["rope_type"] == "longrope":
+            # Its short factors, and transformers' logits, unless a longer context is asked for.
+            default = int(rope["original_max_position_embeddings"])
         window = self.hf_config.get("sliding_window")
         if window and self.hf_config.get("use_sliding_window", True):
             # No sliding-window attention here: stay within the window, where it is exact.
             limit = min(limit, int(window))
         if self.config.max_model_len > limit:
             raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's limit {limit}")
-        return self.config.max_model_len or limit
+        return self.config.max_model_len or min(default, limit)
 
     def _blocks_from_memory(self) -> int:
         by_memory = int(self.config.kv_cache_memory_gb * 2**30) // (self.kv_bytes_per_token * self.block_size)

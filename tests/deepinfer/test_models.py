@@ -110,6 +110,7 @@ TINY_CASES: dict[str, tuple[Arch, dict[str, Any]]] = {
         "llama",
         {"num_key_value_heads": 4, "rope_scaling": {"type": "linear", "factor": 2.0}},
     ),
+    "llama-dynamic-rope": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),  # q/k norm, head_dim 32 != 64 / 4 heads, tied
     "qwen3_moe": ("qwen3_moe", {}),  # a dense layer, then softmax top-2 of 8 experts
@@ -249,6 +250,39 @@ def test_loads_a_checkpoint_saved_by_transformers(
     logits = step(runner, Blocks(runner), [(s, 0, len(s.token_ids), True) for s in make_seqs(prompts)])
     for row, prompt in zip(logits, prompts, strict=True):
         torch.testing.assert_close(row, reference_last_logits(ref, prompt), atol=TINY_ATOL, rtol=0)
+
+
+_LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0 + 0.1 * i for i in range(8)],
+    "long_factor": [1.0 + 0.7 * i for i in range(8)],
+    "original_max_position_embeddings": 16,
+}
+
+
+@pytest.mark.parametrize(
+    ("rope", "trained", "max_model_len", "length"),
+    [
+        # Dynamic NTK scaled for a context of 32 (twice the trained 16): transformers scales
+        # for the longest position of its forward, so a 32-token prompt is the same.
+        ({"rope_type": "dynamic", "factor": 2.0}, 16, 32, 32),
+        # longrope: short factors within the default context (the trained 16 positions)...
+        (_LONGROPE, 32, None, 12),
+        # ...its long ones once a longer context is asked for, as transformers past 16.
+        (_LONGROPE, 32, 32, 24),
+    ],
+)
+def test_context_dependent_rope_matches_transformers_where_they_agree(
+    rope: dict[str, Any], trained: int, max_model_len: int | None, length: int, tmp_path: Path
+) -> None:
+    model_dir = build_checkpoint(tmp_path, "llama", max_position_embeddings=trained, rope_scaling=rope)
+    runner = make_runner(model_dir, **({"max_model_len": max_model_len} if max_model_len else {}))
+    assert runner.max_model_len == (max_model_len or 16)
+    prompt = random_prompts(runner.vocab_size, (length,), seed=5)[0]
+    logits = step(runner, Blocks(runner), [(s, 0, length, True) for s in make_seqs([prompt])])
+    torch.testing.assert_close(
+        logits[0], reference_last_logits(reference(model_dir), prompt), atol=TINY_ATOL, rtol=0
+    )
 
 
 def test_deterministic_mode_logits_ignore_the_batch(tiny_llama_dir: Path) -> None:

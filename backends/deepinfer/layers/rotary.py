@@ -1,6 +1,16 @@
-"""Rotary position embedding with the scalings checkpoints use: linear, llama3 and yarn
-(DeepSeek's yarn included). Frequencies follow transformers' formulas exactly, so cos/sin match
-the reference bit for bit; they are tabulated once for every position up to the model length."""
+"""Rotary position embedding with the scalings checkpoints use: linear, llama3, yarn (DeepSeek's
+included), dynamic (NTK) and longrope. Frequencies follow transformers' formulas exactly, so
+cos/sin match the reference bit for bit; they are tabulated once for every position up to the
+model length.
+
+transformers recomputes dynamic and longrope frequencies on each forward from the longest
+position in it, so the keys of one sequence can be rotated with different frequencies as it
+grows. A paged, prefix-cached engine cannot: its cached keys must not depend on who computed
+them. So here both are fixed by the engine's context (`max_positions`), as vLLM fixes dynamic
+NTK: dynamic scales its base for a context of `max_positions` (none within the checkpoint's
+`max_position_embeddings`), longrope takes its long factors when the context exceeds
+`original_max_position_embeddings` and its short ones otherwise. Within those defaults the
+logits are transformers'; `ModelRunner` keeps the default context there."""
 
 from __future__ import annotations
 
@@ -49,13 +59,14 @@ def rope_from_config(
     params: dict[str, Any], dim: int, max_positions: int, interleaved: bool = False
 ) -> RotaryEmbedding:
     """`params`: `HFConfig.rope_parameters`; `dim`: the rotated width of a head."""
-    inv_freq, scaling = rope_frequencies(params, dim)
+    inv_freq, scaling = rope_frequencies(params, dim, max_positions)
     return RotaryEmbedding(inv_freq, max_positions, scaling, interleaved)
 
 
-def rope_frequencies(params: dict[str, Any], dim: int) -> tuple[torch.Tensor, float]:
+def rope_frequencies(params: dict[str, Any], dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
     base = float(params["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (base**exponents)
     kind = params["rope_type"]
     if kind == "default":
         return inv_freq, 1.0
@@ -65,7 +76,30 @@ def rope_frequencies(params: dict[str, Any], dim: int) -> tuple[torch.Tensor, fl
         return _llama3(inv_freq, params), 1.0
     if kind == "yarn":
         return _yarn(base, dim, params)
-    raise ValueError(f"unsupported rope type {kind!r} (supported: default, linear, llama3, yarn)")
+    if kind == "dynamic":
+        factor, trained = float(params["factor"]), int(params["original_max_position_embeddings"])
+        context = max(max_positions, trained)
+        base *= (factor * context / trained - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (base**exponents), 1.0
+    if kind == "longrope":
+        return _longrope(base, exponents, params, max_positions)
+    raise ValueError(
+        f"unsupported rope type {kind!r} (supported: default, linear, llama3, yarn, dynamic, longrope)"
+    )
+
+
+def _longrope(
+    base: float, exponents: torch.Tensor, p: dict[str, Any], max_positions: int
+) -> tuple[torch.Tensor, float]:
+    trained = int(p["original_max_position_embeddings"])
+    factor = float(p["factor"])
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(trained))
+    ext = torch.tensor(
+        p["long_factor"] if max_positions > trained else p["short_factor"], dtype=torch.float32
+    )
+    return 1.0 / (ext * base**exponents), float(attention_factor)
 
 
 def _llama3(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:

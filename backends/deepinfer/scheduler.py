@@ -156,6 +156,8 @@ class Scheduler:
             seq = running[i]
             start, total = seq.num_computed_tokens, len(seq.token_ids)
             n = total - start if total - start < budget else budget
+            # n == 1 is a decode step, or a longer chunk cut to the budget's last token, which
+            # leaves no budget to draft with.
             draft = self._draft(seq, budget - n) if self.proposer is not None and n == 1 else []
             # Most decode steps fit in the last block's free slots: nothing to allocate.
             if start + n + len(draft) > len(seq.block_table) * block_size:

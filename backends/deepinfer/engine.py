@@ -44,6 +44,7 @@ class Runner(Protocol):
     max_model_len: int
     num_kv_blocks: int
     kv_bytes_per_token: int
+    sliding_window: int | None  # the attention window of every layer, if the model has one
     kv_cache: PagedKVCache  # used with KV tiers and disaggregation
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -70,7 +71,12 @@ class Engine:
         self.tiers = build_tiers(config, self.runner.kv_cache) if config.host_cache_gb else None
         self.layout = kv_layout_id(config, self.runner.kv_cache)
         self.scheduler = Scheduler(
-            config, self.runner.num_kv_blocks, self.eos_token_ids, self.max_model_len, self.tiers
+            config,
+            self.runner.num_kv_blocks,
+            self.eos_token_ids,
+            self.max_model_len,
+            self.tiers,
+            self.runner.sliding_window,
         )
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, config.seed, config.deterministic)
         self.lock = threading.Lock()

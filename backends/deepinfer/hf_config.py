@@ -40,6 +40,22 @@ class HFConfig:
         return str(archs[0])
 
     @property
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding attention window (None: full attention), as transformers
+        assigns them: `layer_types` when the config lists them; Qwen's `use_sliding_window`
+        from layer `max_window_layers` on; else `sliding_window` for every layer (Mistral)."""
+        window = self.get("sliding_window")
+        layers = range(self.num_hidden_layers)
+        if not window:
+            return [None for _ in layers]
+        if self.get("layer_types"):
+            return [int(window) if kind == "sliding_attention" else None for kind in self.layer_types]
+        if "use_sliding_window" in self._fields:
+            first = int(self.get("max_window_layers", 28)) if self.get("use_sliding_window") else len(layers)
+            return [int(window) if i >= first else None for i in layers]
+        return [int(window) for _ in layers]
+
+    @property
     def num_experts(self) -> int:
         """Routed experts per MoE layer: `num_experts` as Qwen's checkpoints name it, or
         `num_local_experts` as transformers 5 writes it."""

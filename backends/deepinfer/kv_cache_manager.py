@@ -21,6 +21,12 @@ the walk takes them after the device's own blocks, as loads like a tier's, the p
 last and uncached (it is still being filled), and recomputes whatever did not arrive. With
 the whole prompt arrived, the decode's first step is a decode step, as it would have been on
 the prefill worker.
+
+Sliding-window attention: a block whose tokens all lie before the window of the sequence's
+next token can never be attended again by it, so `release_outside_window` gives it back after
+each step (its place in the block table becomes `NULL_BLOCK`): a sequence holds about
+window / block_size blocks however long it grows. A released full block stays in the prefix
+cache until evicted, so another request may still start from it.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ from orchestrator.runtime.protocol import (
     KvEventBatch,
     KvSnapshot,
 )
+
+NULL_BLOCK = -1  # a block-table entry whose block slid out of the attention window
 
 
 @dataclass(slots=True)
@@ -205,7 +213,8 @@ class KVCacheManager:
         # Tail first: a sequence's last blocks are the least likely to be shared, so they
         # should be the first evicted.
         for block_id in reversed(seq.block_table):
-            self.pool.release(block_id)
+            if block_id != NULL_BLOCK:
+                self.pool.release(block_id)
         seq.block_table.clear()
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
@@ -217,6 +226,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return Held()  # no hashes to name the blocks by: the decode worker computes the prompt
         bs, prompt = self.block_size, seq.num_prompt_tokens
+        if NULL_BLOCK in seq.block_table:
+            return Held()  # its prompt slid out of the window: the decode worker computes it
         n = min(seq.num_registered_blocks, prompt // bs)
         held = Held(list(zip(seq.block_table[:n], seq.block_hashes[:n], strict=True)))
         if n == prompt // bs and prompt % bs and seq.num_computed_tokens >= prompt:
@@ -226,6 +237,18 @@ class KVCacheManager:
             held.tail_tokens = prompt % bs
         self.retain(held)
         return held
+
+    def release_outside_window(self, seq: Sequence, window: int) -> None:
+        """Give back `seq`'s blocks that its next token's window (`window` keys, itself the
+        last) has passed, and those of every later token: they lie before position
+        num_computed_tokens - window + 1."""
+        table, bs = seq.block_table, self.block_size
+        # Released ones form a prefix of the table: walk back from the newest passed block.
+        i = min((seq.num_computed_tokens - window + 1) // bs, len(table)) - 1
+        while i >= 0 and table[i] != NULL_BLOCK:
+            self.pool.release(table[i])
+            table[i] = NULL_BLOCK
+            i -= 1
 
     def retain(self, held: Held) -> None:
         """One more reference on held blocks (a reader copying them out)."""

@@ -15,6 +15,7 @@ from backends.deepinfer.forward_batch import DecodePlan, ForwardBatch, PrefillSp
 from backends.deepinfer.hf_config import HFConfig
 from backends.deepinfer.kv_arrival import KVArrival
 from backends.deepinfer.kv_cache import PagedKVCache
+from backends.deepinfer.kv_cache_manager import NULL_BLOCK
 from backends.deepinfer.layers.attention import Attention
 from backends.deepinfer.layers.mla import MLAttention
 from backends.deepinfer.loader import load_weights
@@ -75,7 +76,11 @@ class ModelRunner:
         self.model_dir = Path(config.model)
         self.hf_config = HFConfig.load(self.model_dir)
         self.vocab_size: int = self.hf_config.vocab_size
-        self.max_model_len = self._max_model_len()
+        # A window every layer uses is attended as one (and KV before it released); one only
+        # some layers use is not, and the context stays within it instead.
+        windows = set(self.hf_config.layer_windows)
+        self.sliding_window: int | None = next(iter(windows)) if len(windows) == 1 else None
+        self.max_model_len = self._max_model_len(windows)
         self.block_size = config.block_size
         with torch.device(self.device):
             model = model_class(self.hf_config)(self.hf_config, self.max_model_len)
@@ -84,6 +89,11 @@ class ModelRunner:
         self._cache_layers = [m for m in self.model.modules() if isinstance(m, Attention | MLAttention)]
         for i, layer in enumerate(self._cache_layers):
             layer.cache_layer = i
+        if self.sliding_window is not None:
+            for layer in self._cache_layers:
+                if not isinstance(layer, Attention):
+                    raise ValueError(f"{self.hf_config.architecture}: no sliding window for its attention")
+                layer.sliding_window = self.sliding_window
         self.kv_bytes_per_token = sum(layer.cache_bytes_per_token(self.dtype) for layer in self._cache_layers)
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory()
         for layer in self._cache_layers:
@@ -106,7 +116,7 @@ class ModelRunner:
             self.num_kv_blocks * self.block_size * self.kv_bytes_per_token / 2**30,
         )
 
-    def _max_model_len(self) -> int:
+    def _max_model_len(self, windows: set[int | None]) -> int:
         limit = int(self.hf_config.get("max_position_embeddings", 2048))
         default = limit
         rope = self.hf_config.rope_parameters
@@ -115,10 +125,8 @@ class ModelRunner:
         elif rope["rope_type"] == "longrope":
             # Its short factors, and transformers' logits, unless a longer context is asked for.
             default = int(rope["original_max_position_embeddings"])
-        window = self.hf_config.get("sliding_window")
-        if window and self.hf_config.get("use_sliding_window", True):
-            # No sliding-window attention here: stay within the window, where it is exact.
-            limit = min(limit, int(window))
+        if len(windows) > 1:  # full and sliding layers mixed: within the window they agree
+            limit = min(limit, min(w for w in windows if w is not None))
         if self.config.max_model_len > limit:
             raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's limit {limit}")
         return self.config.max_model_len or min(default, limit)
@@ -189,6 +197,10 @@ class ModelRunner:
             table = seq.block_table[: -(-end // bs)]
             if len(table) * bs < end:
                 raise ValueError(f"request {seq.request_id}: {len(seq.block_table)} blocks for {end} tokens")
+            if self.sliding_window is not None:
+                # Blocks that slid out of the window were released (NULL_BLOCK); any block reads
+                # for them, since the window mask hides them.
+                table = [0 if b == NULL_BLOCK else b for b in table]
             begin = len(ids)
             ids.extend(seq.token_ids[start:known])
             ids.extend(chunk.draft)
@@ -247,8 +259,13 @@ class ModelRunner:
                 fresh.append(row)
         lengths_t = self._tensor(lengths)
         mask = None
-        if min(lengths) < length:
-            mask = (torch.arange(length, device=self.device)[None, :] < lengths_t[:, None])[:, None, None, :]
+        window = self.sliding_window
+        if min(lengths) < length or (window is not None and length > window):
+            at = torch.arange(length, device=self.device)[None, :]
+            mask = at < lengths_t[:, None]
+            if window is not None and length > window:
+                mask &= at >= lengths_t[:, None] - window  # the token at length - 1 sees `window` keys
+            mask = mask[:, None, None, :]
         rows = self._tensor(keep_to)
         reuse = not fresh and keep_from == keep_to  # every row continues where it was
         return DecodePlan(

@@ -46,6 +46,7 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         max_model_len: int | None = None,
         tiers: TieredStore | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
@@ -53,6 +54,7 @@ class Scheduler:
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.max_model_len = max_model_len or config.max_model_len or None
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.sliding_window = sliding_window  # the model's, when every layer attends within one
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, tiers)
         self.waiting: list[tuple[int, int, Sequence]] = []  # heap of (priority, arrival, seq)
         self.running: list[Sequence] = []  # sorted by (priority, arrival)
@@ -265,6 +267,8 @@ class Scheduler:
             seq.num_computed_tokens = computed
             if computed >= (seq.num_registered_blocks + 1) * block_size:
                 kv.cache_full_blocks(seq)  # a block filled up
+            if self.sliding_window is not None:
+                kv.release_outside_window(seq, self.sliding_window)
             if not new:
                 continue
             if reason is not None:

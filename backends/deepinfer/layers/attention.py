@@ -36,13 +36,18 @@ def gather(cache: torch.Tensor, blocks: torch.Tensor, length: int | None = None)
     return entries if length is None else entries.narrow(blocks.dim() - 1, 0, length)
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
+) -> torch.Tensor:
     """q `[n, H, d]` are the last n of the L positions in k `[L, Hk, d]`, v `[L, Hk, dv]`;
-    query i sees keys 0 .. L - n + i. Returns `[n, H, dv]`."""
+    query i sees keys 0 .. L - n + i, or only the last `window` of those. Returns `[n, H, dv]`."""
     n, length = q.shape[0], k.shape[0]
     mask = None
-    if n != length:
-        mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(diagonal=length - n)
+    if n != length or (window is not None and length > window):
+        ones = torch.ones(n, length, dtype=torch.bool, device=q.device)
+        mask = ones.tril(diagonal=length - n)
+        if window is not None and length > window:
+            mask &= ~ones.tril(diagonal=length - n - window)
     # 4-D, with a batch of one: on CPU, SDPA takes its flash kernel only for 4-D inputs; 3-D
     # ones fall to the math path, which materialises every score (7x slower at 2,048 tokens).
     out = F.scaled_dot_product_attention(
@@ -98,6 +103,7 @@ class Attention(nn.Module):
             scale,
         )
         self.cache_layer = 0  # this layer's place among the model's cache layers (KVArrival.wait)
+        self.sliding_window: int | None = None  # keys a query sees, itself included (set by the runner)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.k_decode = torch.empty(0)  # the decode workspaces, [B, Hk, capacity, d]
@@ -122,7 +128,9 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         for span in batch.prefills:
             keys, values = self._context(span, k, v)
-            out[span.begin : span.end] = prefill_attention(q[span.begin : span.end], keys, values, self.scale)
+            out[span.begin : span.end] = prefill_attention(
+                q[span.begin : span.end], keys, values, self.scale, self.sliding_window
+            )
         if batch.decode_index is not None:
             assert batch.decode_blocks is not None and batch.decode_plan is not None
             index, plan = batch.decode_index, batch.decode_plan

@@ -57,6 +57,9 @@ class DecodePlan:
     capacity: int  # positions per workspace row (a multiple of the block size)
     length: int  # the longest context this step
     mask: torch.Tensor | None  # [B, 1, 1, length] bool, True on real context; None if all are `length`
+    # The same for layers with a sliding window: True on the keys within it; None when no
+    # layer has one or no context is longer than it (then `mask` serves them too).
+    window_mask: torch.Tensor | None
     reuse: bool  # every row continues in place: append to the previous workspace (its first B rows)
     keep_from: torch.Tensor | None  # [K] previous rows that continue (None when `reuse` or K = 0)
     fresh: torch.Tensor | None  # [F] rows rebuilt from the paged cache

@@ -76,10 +76,12 @@ class ModelRunner:
         self.model_dir = Path(config.model)
         self.hf_config = HFConfig.load(self.model_dir)
         self.vocab_size: int = self.hf_config.vocab_size
-        # A window every layer uses is attended as one (and KV before it released); one only
-        # some layers use is not, and the context stays within it instead.
-        windows = set(self.hf_config.layer_windows)
+        # Layers attend within their window, if they have one. When every layer has the same,
+        # KV before it is released too (`sliding_window`); the others need the whole context.
+        layer_windows = self.hf_config.layer_windows
+        windows = set(layer_windows)
         self.sliding_window: int | None = next(iter(windows)) if len(windows) == 1 else None
+        self._window = next((w for w in layer_windows if w is not None), None)  # the decode mask's
         self.max_model_len = self._max_model_len(windows)
         self.block_size = config.block_size
         with torch.device(self.device):
@@ -89,11 +91,13 @@ class ModelRunner:
         self._cache_layers = [m for m in self.model.modules() if isinstance(m, Attention | MLAttention)]
         for i, layer in enumerate(self._cache_layers):
             layer.cache_layer = i
-        if self.sliding_window is not None:
-            for layer in self._cache_layers:
+        if self._window is not None:
+            if len(self._cache_layers) != len(layer_windows):
+                raise ValueError(f"{self.hf_config.architecture}: no sliding window for its attention")
+            for layer, window in zip(self._cache_layers, layer_windows, strict=True):
                 if not isinstance(layer, Attention):
                     raise ValueError(f"{self.hf_config.architecture}: no sliding window for its attention")
-                layer.sliding_window = self.sliding_window
+                layer.sliding_window = window
         self.kv_bytes_per_token = sum(layer.cache_bytes_per_token(self.dtype) for layer in self._cache_layers)
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory()
         for layer in self._cache_layers:
@@ -125,7 +129,7 @@ class ModelRunner:
         elif rope["rope_type"] == "longrope":
             # Its short factors, and transformers' logits, unless a longer context is asked for.
             default = int(rope["original_max_position_embeddings"])
-        if len(windows) > 1:  # full and sliding layers mixed: within the window they agree
+        if len(windows - {None}) > 1:  # windows of several sizes: within the smallest all agree
             limit = min(limit, min(w for w in windows if w is not None))
         if self.config.max_model_len > limit:
             raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's limit {limit}")
@@ -258,20 +262,22 @@ class ModelRunner:
             else:
                 fresh.append(row)
         lengths_t = self._tensor(lengths)
-        mask = None
-        window = self.sliding_window
+        mask = window_mask = None
+        window = self._window
         if min(lengths) < length or (window is not None and length > window):
             at = torch.arange(length, device=self.device)[None, :]
-            mask = at < lengths_t[:, None]
+            real = at < lengths_t[:, None]
+            mask = real[:, None, None, :] if min(lengths) < length else None
             if window is not None and length > window:
-                mask &= at >= lengths_t[:, None] - window  # the token at length - 1 sees `window` keys
-            mask = mask[:, None, None, :]
+                # The token at length - 1 sees the `window` keys up to itself.
+                window_mask = (real & (at >= lengths_t[:, None] - window))[:, None, None, :]
         rows = self._tensor(keep_to)
         reuse = not fresh and keep_from == keep_to  # every row continues where it was
         return DecodePlan(
             capacity=self._decode_capacity,
             length=length,
             mask=mask,
+            window_mask=window_mask,
             reuse=reuse,
             keep_from=None if reuse or not keep_from else self._tensor(keep_from),
             fresh=self._tensor(fresh) if fresh else None,

@@ -116,14 +116,22 @@ def test_engine_output_matches_transformers_with_kv_bounded_by_the_window(
         assert again == outputs[:1]
 
 
-def test_a_window_only_some_layers_use_caps_the_context_to_it(tmp_path: Path) -> None:
-    """Qwen2's max_window_layers: full attention below it, the window above: not attended as a
-    window, so the context stays within it, where both agree."""
+def test_a_window_only_some_layers_use_matches_transformers_past_it(tmp_path: Path) -> None:
+    """Qwen2's max_window_layers: full attention below it, the window from it on. Each layer
+    attends as its own; no KV is released, since the full layers read all of it."""
     model_dir = build_checkpoint(
-        tmp_path, "qwen2", use_sliding_window=True, sliding_window=WINDOW * 4, max_window_layers=1
+        tmp_path, "qwen2", use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
     )
-    runner = make_runner(model_dir)
-    assert runner.sliding_window is None and runner.max_model_len == WINDOW * 4
+    runner, ref = make_runner(model_dir), reference(model_dir)
+    assert runner.sliding_window is None and runner.max_model_len == 2048
+    assert [layer.sliding_window for layer in runner._cache_layers] == [None, WINDOW]
+    seqs, blocks = make_seqs(random_prompts(runner.vocab_size, (19, 11), seed=4)), Blocks(runner)
+    logits = step(runner, blocks, [(s, 0, len(s.token_ids), True) for s in seqs])
+    for _ in range(10):
+        for seq, row in zip(seqs, logits, strict=True):
+            torch.testing.assert_close(row, reference_last_logits(ref, seq.token_ids), atol=TINY_ATOL, rtol=0)
+            seq.token_ids.append(int(row.argmax()))
+        logits = step(runner, blocks, [(s, len(s.token_ids) - 1, 1, True) for s in seqs])
 
 
 def test_a_preempted_sequence_gives_back_only_the_blocks_it_still_holds(mistral_dir: Path) -> None:

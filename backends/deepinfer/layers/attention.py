@@ -138,7 +138,12 @@ class Attention(nn.Module):
             self.v_decode = _workspace(self.v_decode, self.v_cache, batch.decode_blocks, plan, v[index])
             keys = self.k_decode.narrow(2, 0, plan.length)
             values = self.v_decode.narrow(2, 0, plan.length)
-            out[index] = grouped_decode_attention(q[index], keys, values, plan.mask, self.scale).to(q.dtype)
+            mask = (
+                plan.window_mask
+                if self.sliding_window is not None and plan.window_mask is not None
+                else plan.mask
+            )
+            out[index] = grouped_decode_attention(q[index], keys, values, mask, self.scale).to(q.dtype)
         return out
 
     def _context(

@@ -54,8 +54,10 @@ NULL_BLOCK = -1  # a block-table entry whose block slid out of the attention win
 @dataclass(slots=True)
 class Prefix:
     """A sequence's cached prefix: device blocks, then blocks to load from lower tiers.
-    `waiting`: a slow tier is still reading more of it; admit the sequence later."""
+    `waiting`: a slow tier is still reading more of it; admit the sequence later.
+    `skipped`: leading blocks a sliding window makes unnecessary (`NULL_BLOCK` in the table)."""
 
+    skipped: int = 0
     blocks: list[Block] = field(default_factory=list)
     arrived: list[tuple[int, Payload]] = field(default_factory=list)  # (seq_hash, payload) from a prefill
     loads: list[Fetched] = field(default_factory=list)
@@ -64,11 +66,11 @@ class Prefix:
     waiting: bool = False
 
     def __len__(self) -> int:
-        """Blocks, the partial one included."""
-        return len(self.blocks) + len(self.arrived) + len(self.loads) + (self.tail is not None)
+        """Blocks, the partial and skipped ones included."""
+        return self.skipped + len(self.blocks) + len(self.arrived) + len(self.loads) + (self.tail is not None)
 
     def num_tokens(self, block_size: int) -> int:
-        full = len(self.blocks) + len(self.arrived) + len(self.loads)
+        full = self.skipped + len(self.blocks) + len(self.arrived) + len(self.loads)
         return full * block_size + (self.tail[1] if self.tail is not None else 0)
 
     @property
@@ -93,8 +95,10 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         tiers: TieredStore | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         self.pool = BlockPool(num_blocks)
+        self.sliding_window = sliding_window
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -142,6 +146,13 @@ class KVCacheManager:
             if block is None:
                 break
             prefix.blocks.append(block)
+        if (
+            self.sliding_window is not None
+            and len(prefix.blocks) < n_full
+            and self.tiers is None
+            and not seq.arrived
+        ):
+            self._match_window(prefix, hashes[:n_full])
         if seq.arrived:
             arrived = seq.arrived
             for h in hashes[len(prefix.blocks) : n_full]:
@@ -154,6 +165,21 @@ class KVCacheManager:
         if self.tiers is not None and found < n_full:
             prefix.loads, prefix.waiting = self.tiers.fetch_prefix(hashes[found:n_full], seq.fetch)
         return prefix
+
+    def _match_window(self, prefix: Prefix, hashes: list[int]) -> None:
+        """With a sliding window, a prefix of P blocks can be resumed from its last blocks
+        alone: those the window of token P * block_size reaches. So where the walk from the
+        first block stopped short, take the longest such P whose window blocks are all cached
+        (the blocks before them evicted, say): the recompute is then bounded by what is missing
+        of the window, not by the whole prefix."""
+        assert self.sliding_window is not None
+        cached, bs, window = self.pool.cached, self.block_size, self.sliding_window
+        for end in range(len(hashes), len(prefix.blocks), -1):
+            first = max(0, (end * bs - window + 1) // bs)
+            blocks = [cached.get(h) for h in hashes[first:end]]
+            if all(b is not None for b in blocks):
+                prefix.skipped, prefix.blocks = first, [b for b in blocks if b is not None]
+                return
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: Prefix | None = None) -> bool:
         """Whether `seq` can get slots for `num_new_tokens` more tokens (after `prefix`, for a
@@ -181,6 +207,7 @@ class KVCacheManager:
             seq.block_table.append(self._take_free().block_id)
 
     def _take_prefix(self, seq: Sequence, prefix: Prefix) -> None:
+        seq.block_table.extend([NULL_BLOCK] * prefix.skipped)
         for block in prefix.blocks:
             self.pool.ref(block)
             seq.block_table.append(block.block_id)
@@ -243,12 +270,15 @@ class KVCacheManager:
         last) has passed, and those of every later token: they lie before position
         num_computed_tokens - window + 1."""
         table, bs = seq.block_table, self.block_size
-        # Released ones form a prefix of the table: walk back from the newest passed block.
-        i = min((seq.num_computed_tokens - window + 1) // bs, len(table)) - 1
-        while i >= 0 and table[i] != NULL_BLOCK:
+        end = min((seq.num_computed_tokens - window + 1) // bs, len(table))
+        # Released ones form a prefix of the table: walk back to its end, then release forward,
+        # so the oldest blocks are the first the pool evicts (the least likely to be resumed).
+        start = end
+        while start > 0 and table[start - 1] != NULL_BLOCK:
+            start -= 1
+        for i in range(start, end):
             self.pool.release(table[i])
             table[i] = NULL_BLOCK
-            i -= 1
 
     def retain(self, held: Held) -> None:
         """One more reference on held blocks (a reader copying them out)."""

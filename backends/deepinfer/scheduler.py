@@ -55,7 +55,9 @@ class Scheduler:
         self.max_model_len = max_model_len or config.max_model_len or None
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sliding_window = sliding_window  # the model's, when every layer attends within one
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, tiers)
+        self.kv_cache = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, tiers, sliding_window
+        )
         self.waiting: list[tuple[int, int, Sequence]] = []  # heap of (priority, arrival, seq)
         self.running: list[Sequence] = []  # sorted by (priority, arrival)
         # Waiting sequences whose prefix a slow KV tier is reading; back in `waiting` when done.

@@ -1,7 +1,8 @@
 """Sliding-window attention (Mistral's `sliding_window`) on a tiny random Mistral with a window
 of 8 tokens, against transformers past the window: the runner's logits, and the whole engine's
-greedy output with chunked prefill, the prefix cache, preemption and speculation, while each
-sequence holds only the blocks its window can still reach."""
+greedy output with chunked prefill, the prefix cache, a small cache and speculation, while each
+sequence holds only the blocks its window can still reach; and a prefix resumed from the blocks
+its window needs when the first ones were evicted."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from backends.deepinfer.engine import Engine
 from backends.deepinfer.kv_cache_manager import NULL_BLOCK
 from backends.deepinfer.tiny import build_checkpoint
-from tests.deepinfer.test_engine import make_engine, prompt, request
+from tests.deepinfer.test_engine import generated, make_engine, prompt, request, run
 from tests.deepinfer.test_models import (
     TINY_ATOL,
     Blocks,
@@ -146,3 +147,20 @@ def test_a_preempted_sequence_gives_back_only_the_blocks_it_still_holds(mistral_
     free = scheduler.kv_cache.pool.num_free_blocks
     scheduler.kv_cache.deallocate(seq)  # what preemption does
     assert scheduler.kv_cache.pool.num_free_blocks == free + held == scheduler.kv_cache.num_blocks
+
+
+def test_a_prefix_resumes_from_its_window_after_its_first_blocks_were_evicted(mistral_dir: Path) -> None:
+    engine = make_engine(mistral_dir, block_size=BLOCK, num_kv_blocks=16)
+    pool = engine.scheduler.kv_cache.pool
+    tokens = prompt(random.Random(1), 40)
+    first = run(engine, [request("a", tokens, 8)])["a"]
+    # Another request takes the free blocks the prefix cache holds, oldest first: the prompt's
+    # first block goes, the rest stays.
+    run(engine, [request("c", prompt(random.Random(2), 20), 4)])
+    hashes = first.seq.block_hashes
+    assert hashes[0] not in pool.cached and all(h in pool.cached for h in hashes[7:9])
+    again = run(engine, [request("b", tokens, 8)])["b"]
+    # Its 9 full prompt blocks count as cached: the window of token 36 reaches back only to
+    # block 7, so blocks 0-6 are not needed.
+    assert again.seq.num_cached_tokens == 36
+    assert generated({"b": again}) == generated({"b": first})

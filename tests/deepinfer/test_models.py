@@ -143,16 +143,25 @@ def tiny_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return build_checkpoint(tmp_path_factory.mktemp(request.param), arch, **overrides)
 
 
-def test_prefill_and_decode_logits_match_transformers(tiny_dir: Path) -> None:
-    runner, ref = make_runner(tiny_dir), reference(tiny_dir)
-    seqs, blocks = make_seqs(random_prompts(runner.vocab_size)), Blocks(runner)
+def assert_decoding_matches(
+    runner: ModelRunner, ref: Any, prompts: list[list[int]], steps: int
+) -> list[Sequence]:
+    """The prompts prefilled together, then `steps` greedy decode steps: every step's logits are
+    transformers' for the same tokens. Returns the sequences, grown by their tokens."""
+    seqs, blocks = make_seqs(prompts), Blocks(runner)
     logits = step(runner, blocks, [(s, 0, len(s.token_ids), True) for s in seqs])
-    for _ in range(4):
+    for _ in range(steps):
         assert logits.dtype == torch.float32 and logits.shape == (len(seqs), runner.vocab_size)
         for seq, row in zip(seqs, logits, strict=True):
             torch.testing.assert_close(row, reference_last_logits(ref, seq.token_ids), atol=TINY_ATOL, rtol=0)
             seq.token_ids.append(int(row.argmax()))
         logits = step(runner, blocks, [(s, len(s.token_ids) - 1, 1, True) for s in seqs])
+    return seqs
+
+
+def test_prefill_and_decode_logits_match_transformers(tiny_dir: Path) -> None:
+    runner = make_runner(tiny_dir)
+    assert_decoding_matches(runner, reference(tiny_dir), random_prompts(runner.vocab_size), 4)
 
 
 def test_greedy_32_tokens_match_transformers_generate(tiny_dir: Path) -> None:

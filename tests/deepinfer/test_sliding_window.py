@@ -18,8 +18,8 @@ from backends.deepinfer.kv_cache_manager import NULL_BLOCK
 from backends.deepinfer.tiny import build_checkpoint
 from tests.deepinfer.test_engine import generated, make_engine, prompt, request, run
 from tests.deepinfer.test_models import (
-    TINY_ATOL,
     Blocks,
+    assert_decoding_matches,
     make_runner,
     make_seqs,
     random_prompts,
@@ -46,13 +46,7 @@ def mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_logits_match_transformers_past_the_window(mistral_dir: Path) -> None:
     runner, ref = make_runner(mistral_dir), reference(mistral_dir)
     assert runner.sliding_window == WINDOW and runner.max_model_len == 2048  # no cap to the window
-    seqs, blocks = make_seqs(random_prompts(runner.vocab_size, (20, 5, 13), seed=2)), Blocks(runner)
-    logits = step(runner, blocks, [(s, 0, len(s.token_ids), True) for s in seqs])
-    for _ in range(12):
-        for seq, row in zip(seqs, logits, strict=True):
-            torch.testing.assert_close(row, reference_last_logits(ref, seq.token_ids), atol=TINY_ATOL, rtol=0)
-            seq.token_ids.append(int(row.argmax()))
-        logits = step(runner, blocks, [(s, len(s.token_ids) - 1, 1, True) for s in seqs])
+    seqs = assert_decoding_matches(runner, ref, random_prompts(runner.vocab_size, (20, 5, 13), seed=2), 12)
     # The window matters here: attending to everything gives other logits.
     full = make_runner(mistral_dir, max_model_len=64)
     full.sliding_window = None
@@ -126,13 +120,7 @@ def test_a_window_only_some_layers_use_matches_transformers_past_it(tmp_path: Pa
     runner, ref = make_runner(model_dir), reference(model_dir)
     assert runner.sliding_window is None and runner.max_model_len == 2048
     assert [layer.sliding_window for layer in runner._cache_layers] == [None, WINDOW]
-    seqs, blocks = make_seqs(random_prompts(runner.vocab_size, (19, 11), seed=4)), Blocks(runner)
-    logits = step(runner, blocks, [(s, 0, len(s.token_ids), True) for s in seqs])
-    for _ in range(10):
-        for seq, row in zip(seqs, logits, strict=True):
-            torch.testing.assert_close(row, reference_last_logits(ref, seq.token_ids), atol=TINY_ATOL, rtol=0)
-            seq.token_ids.append(int(row.argmax()))
-        logits = step(runner, blocks, [(s, len(s.token_ids) - 1, 1, True) for s in seqs])
+    assert_decoding_matches(runner, ref, random_prompts(runner.vocab_size, (19, 11), seed=4), 10)
 
 
 def test_a_preempted_sequence_gives_back_only_the_blocks_it_still_holds(mistral_dir: Path) -> None:

@@ -26,7 +26,8 @@ Sliding-window attention: a block whose tokens all lie before the window of the 
 next token can never be attended again by it, so `release_outside_window` gives it back after
 each step (its place in the block table becomes `NULL_BLOCK`): a sequence holds about
 window / block_size blocks however long it grows. A released full block stays in the prefix
-cache until evicted, so another request may still start from it.
+cache until evicted, so another request may still start from it, and a prefix whose first
+blocks were evicted resumes from the blocks its window needs alone (`_match_window`).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class KVCacheManager:
         sliding_window: int | None = None,
     ) -> None:
         self.pool = BlockPool(num_blocks)
-        self.sliding_window = sliding_window
+        self.sliding_window = sliding_window  # the model's, when every layer attends within one
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -265,10 +266,12 @@ class KVCacheManager:
         self.retain(held)
         return held
 
-    def release_outside_window(self, seq: Sequence, window: int) -> None:
-        """Give back `seq`'s blocks that its next token's window (`window` keys, itself the
-        last) has passed, and those of every later token: they lie before position
-        num_computed_tokens - window + 1."""
+    def release_outside_window(self, seq: Sequence) -> None:
+        """Give back `seq`'s blocks that its next token's window (`sliding_window` keys, itself
+        the last) has passed, and those of every later token: they lie before position
+        num_computed_tokens - sliding_window + 1."""
+        window = self.sliding_window
+        assert window is not None
         table, bs = seq.block_table, self.block_size
         end = min((seq.num_computed_tokens - window + 1) // bs, len(table))
         # Released ones form a prefix of the table: walk back to its end, then release forward,

@@ -54,7 +54,6 @@ class Scheduler:
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.max_model_len = max_model_len or config.max_model_len or None
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.sliding_window = sliding_window  # the model's, when every layer attends within one
         self.kv_cache = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, tiers, sliding_window
         )
@@ -269,8 +268,8 @@ class Scheduler:
             seq.num_computed_tokens = computed
             if computed >= (seq.num_registered_blocks + 1) * block_size:
                 kv.cache_full_blocks(seq)  # a block filled up
-            if self.sliding_window is not None:
-                kv.release_outside_window(seq, self.sliding_window)
+            if kv.sliding_window is not None:
+                kv.release_outside_window(seq)
             if not new:
                 continue
             if reason is not None:

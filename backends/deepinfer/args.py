@@ -59,7 +59,9 @@ def add_deepinfer_arguments(parser: argparse.ArgumentParser) -> None:
         help="speculative decoding, as vLLM's flag: "
         '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
         '"prompt_lookup_min": 2}\' drafts up to 4 tokens per decode step from a recurring '
-        f"n-gram (lookup sizes default to {d.prompt_lookup_min}..{d.prompt_lookup_max}); off by default",
+        f"n-gram (lookup sizes default to {d.prompt_lookup_min}..{d.prompt_lookup_max}); "
+        '\'{"method": "mtp"}\' drafts one token per step with a DeepSeek-V3 checkpoint\'s own '
+        "multi-token-prediction layer; off by default",
     )
     t = parser.add_argument_group("KV tiers below the engine's cache (kvbm)")
     t.add_argument(
@@ -84,12 +86,14 @@ def add_deepinfer_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-_SPECULATIVE_FIELDS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_NGRAM_FIELDS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+# vLLM's names for the model's own MTP layers: "mtp", and the older "deepseek_mtp".
+_MTP_METHODS = ("mtp", "deepseek_mtp")
 
 
 def speculative_config(text: str) -> dict[str, Any]:
-    """`--speculative-config`'s JSON as `EngineConfig` fields; only the n-gram method, which
-    needs no draft model."""
+    """`--speculative-config`'s JSON as `EngineConfig` fields: the n-gram method, which needs no
+    draft model, or the checkpoint's own MTP layer."""
     try:
         spec = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -97,24 +101,28 @@ def speculative_config(text: str) -> dict[str, Any]:
     if not isinstance(spec, dict):
         raise argparse.ArgumentTypeError("must be a JSON object")
     method = spec.pop("method", None)
-    if method != "ngram":
+    if method not in ("ngram", *_MTP_METHODS):
         raise argparse.ArgumentTypeError(
-            f'method {method!r} is not supported; DeepInfer speculates with "ngram"'
+            f'method {method!r} is not supported; DeepInfer speculates with "ngram" or "mtp"'
         )
-    unknown = sorted(set(spec) - set(_SPECULATIVE_FIELDS))
+    known = _NGRAM_FIELDS if method == "ngram" else ("num_speculative_tokens",)
+    unknown = sorted(set(spec) - set(known))
     if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown fields {unknown}; known: method, {', '.join(_SPECULATIVE_FIELDS)}"
-        )
-    if "num_speculative_tokens" not in spec:
-        raise argparse.ArgumentTypeError("the ngram method needs num_speculative_tokens")
+        raise argparse.ArgumentTypeError(f"unknown fields {unknown}; known: method, {', '.join(known)}")
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in spec.values()):
         raise argparse.ArgumentTypeError(f"{', '.join(spec)} must be positive integers")
+    if method in _MTP_METHODS:
+        spec.setdefault("num_speculative_tokens", 1)
+        if spec["num_speculative_tokens"] != 1:
+            raise argparse.ArgumentTypeError("mtp drafts one token per step: num_speculative_tokens 1")
+        return {"speculative_method": "mtp", **spec}
+    if "num_speculative_tokens" not in spec:
+        raise argparse.ArgumentTypeError("the ngram method needs num_speculative_tokens")
     spec.setdefault("prompt_lookup_max", max(_DEFAULTS.prompt_lookup_max, spec.get("prompt_lookup_min", 0)))
     spec.setdefault("prompt_lookup_min", min(_DEFAULTS.prompt_lookup_min, spec["prompt_lookup_max"]))
     if spec["prompt_lookup_min"] > spec["prompt_lookup_max"]:
         raise argparse.ArgumentTypeError("prompt_lookup_min must not exceed prompt_lookup_max")
-    return spec
+    return {"speculative_method": "ngram", **spec}
 
 
 def deepinfer_config_from_args(args: argparse.Namespace, model_dir: Path, served_name: str) -> EngineConfig:

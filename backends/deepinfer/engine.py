@@ -52,6 +52,10 @@ class Runner(Protocol):
         order; `out.loads` written into the cache before any layer reads them."""
         ...
 
+    def propose(self, out: SchedulerOutput, confirmed: Seq[Seq[int]]) -> list[list[int]]:
+        """The MTP layer's draft per chunk after `execute(out)` (speculative method mtp only)."""
+        ...
+
 
 class Engine:
     def __init__(self, config: EngineConfig, runner: Runner | None = None) -> None:
@@ -196,15 +200,33 @@ class Engine:
             return self.postprocess(out, sampled)
 
     def run(self, out: SchedulerOutput) -> list[SampledToken]:
-        """Forward (onboarded KV in layer by layer), grammar mask, sampling for the chunks that sample."""
+        """Forward (onboarded KV in layer by layer), grammar mask, sampling for the chunks that
+        sample; then, with an MTP layer, its drafts for the next step (`out.drafts`)."""
         logits = self.runner.execute(out)
         chunks = [c for c in out.chunks if c.sample]
-        if not chunks:
-            return []
-        if self._guided is not None:  # guided requests are never drafted: one row each
-            ids = [c.seq.request_id for c in chunks for _ in range(1 + len(c.draft))]
-            self._guided.apply_mask(logits, ids)
-        return self.sampler(logits, [row for c in chunks for row in sample_rows(c)])
+        sampled: list[SampledToken] = []
+        if chunks:
+            if self._guided is not None:  # guided requests are never drafted: one row each
+                ids = [c.seq.request_id for c in chunks for _ in range(1 + len(c.draft))]
+                self._guided.apply_mask(logits, ids)
+            sampled = self.sampler(logits, [row for c in chunks for row in sample_rows(c)])
+        if self.config.speculative_method == "mtp" and self.config.num_speculative_tokens:
+            out.drafts = self.runner.propose(out, self._confirmed(out, sampled))
+        return sampled
+
+    @staticmethod
+    def _confirmed(out: SchedulerOutput, sampled: list[SampledToken]) -> list[list[int]]:
+        """Each chunk's sampled tokens that its sequence keeps (ScheduledChunk.verified)."""
+        confirmed: list[list[int]] = []
+        i = 0
+        for chunk in out.chunks:
+            if not chunk.sample:
+                confirmed.append([])
+                continue
+            ids = [t.token_id for t in sampled[i : i + 1 + len(chunk.draft)]]
+            i += len(ids)
+            confirmed.append(ids[: chunk.verified(ids)])
+        return confirmed
 
     def postprocess(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[SeqOutput]:
         outputs = self.scheduler.postprocess(out, sampled)

@@ -39,7 +39,7 @@ class _EngineCollector(Collector):
             engines = list(self._engines)
         for engine in engines:
             scheduler = engine.scheduler
-            if scheduler.proposer is not None:
+            if scheduler.speculating:
                 drafts[engine.name] += scheduler.num_draft_tokens
                 accepted[engine.name] += scheduler.num_accepted_tokens
         drafted = CounterMetricFamily(

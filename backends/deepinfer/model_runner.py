@@ -6,7 +6,10 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -20,7 +23,8 @@ from backends.deepinfer.layers.attention import Attention
 from backends.deepinfer.layers.mla import MLAttention
 from backends.deepinfer.loader import load_weights
 from backends.deepinfer.models.base import CausalLM
-from backends.deepinfer.models.registry import model_class
+from backends.deepinfer.models.deepseek_v3 import DeepseekV3ForCausalLM, MTPLayer
+from backends.deepinfer.models.registry import build_model
 from backends.deepinfer.outputs import ScheduledChunk, SchedulerOutput
 from backends.deepinfer.sequence import Sequence
 
@@ -31,6 +35,30 @@ logger = logging.getLogger(__name__)
 _WORKSPACE_HEADROOM_BLOCKS = 8
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _Span(NamedTuple):
+    """Tokens to run for one sequence: `tokens` at positions start, start + 1, ...; the last
+    `samples` of them have their rows returned."""
+
+    seq: Sequence
+    start: int
+    tokens: list[int]
+    samples: int
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclass(slots=True)
+class _DecodeRows:
+    """What a set of layers' decode workspaces hold after the last step (see DecodePlan): the
+    sequence and context length of each row, and the rows' capacity."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    capacity: int = 0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -84,10 +112,18 @@ class ModelRunner:
         self._window = next((w for w in layer_windows if w is not None), None)  # the decode mask's
         self.max_model_len = self._max_model_len(windows)
         self.block_size = config.block_size
+        mtp_layers = 1 if config.speculative_method == "mtp" else 0
         with torch.device(self.device):
-            model = model_class(self.hf_config)(self.hf_config, self.max_model_len)
+            model = build_model(self.hf_config, self.max_model_len, mtp_layers)
         self.model: CausalLM = model.to(self.dtype).eval()
         load_weights(self.model, self.model_dir)
+        # The MTP layer drafts from the main model's hidden states, kept from each step until
+        # `propose` has used them.
+        self.mtp: MTPLayer | None = None
+        if mtp_layers:
+            assert isinstance(self.model, DeepseekV3ForCausalLM) and isinstance(self.model.mtp[0], MTPLayer)
+            self.mtp = self.model.mtp[0]
+        self._hidden: torch.Tensor | None = None
         self._cache_layers = [m for m in self.model.modules() if isinstance(m, Attention | MLAttention)]
         for i, layer in enumerate(self._cache_layers):
             layer.cache_layer = i
@@ -103,11 +139,10 @@ class ModelRunner:
         for layer in self._cache_layers:
             layer.allocate_cache(self.num_kv_blocks, self.block_size, self.dtype, self.device)
         self.kv_cache = PagedKVCache.from_layers(self._cache_layers)
-        # The last step's decode sequences and context lengths, and the workspace capacity
-        # (see DecodePlan); empty after a failed step, so the next one refills.
-        self._decode_seqs: list[Sequence] = []
-        self._decode_lengths: list[int] = []
-        self._decode_capacity = 0
+        # The decode workspaces' rows, of the main model's layers and of the MTP layer's (which
+        # decodes other positions); reset after a failed step, so the next one refills.
+        self._rows = _DecodeRows()
+        self._mtp_rows = _DecodeRows()
         logger.info(
             "loaded %s (%s) on %s/%s in %.1f s; KV cache %d blocks x %d tokens (%.2f GiB)",
             self.model_dir.name,
@@ -157,11 +192,15 @@ class ModelRunner:
             )
         try:
             if self.config.deterministic:
-                parts = [self._forward([chunk], arrival) for chunk in out.chunks]
-                return torch.cat(parts) if parts else self._forward([], arrival)
-            return self._forward(out.chunks, arrival)
+                parts = [self._forward([c], arrival) for c in out.chunks] or [self._forward([], arrival)]
+                logits, hidden = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            else:
+                logits, hidden = self._forward(out.chunks, arrival)
+            if self.mtp is not None:
+                self._hidden = hidden
+            return logits
         except BaseException:
-            self._decode_seqs = []  # the workspaces may be half written
+            self._rows = _DecodeRows()  # the workspaces may be half written
             raise
         finally:
             if arrival is not None:
@@ -169,18 +208,78 @@ class ModelRunner:
                 # hand these blocks to other sequences.
                 arrival.wait_all()
 
-    def _forward(self, chunks: list[ScheduledChunk], arrival: KVArrival | None) -> torch.Tensor:
+    def _forward(
+        self, chunks: list[ScheduledChunk], arrival: KVArrival | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunks' sampled logits, and the final hidden states of all their tokens."""
         if not chunks:
-            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+            empty = torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+            return empty, empty
         batch = self.prepare(chunks)
         batch.kv_arrival = arrival
         hidden = self.model(batch)
-        return self.model.compute_logits(hidden[batch.sample_index]).float()
+        return self.model.compute_logits(hidden[batch.sample_index]).float(), hidden
+
+    @torch.inference_mode()
+    def propose(self, out: SchedulerOutput, confirmed: Seq[Seq[int]]) -> list[list[int]]:
+        """After `execute(out)` and sampling: the MTP layer's draft for each chunk of `out`.
+
+        `confirmed[i]` holds the tokens chunk i's step made part of its sequence: its sampled
+        tokens up to the first that differs from its draft, [] for a chunk that samples
+        nothing. The MTP layer runs at every position whose next token is now known (writing
+        its own KV there) and drafts, for each sampling chunk, the token after its last
+        confirmed one; [] for the other chunks."""
+        hidden, self._hidden = self._hidden, None
+        assert self.mtp is not None and hidden is not None
+        spans: list[_Span] = []
+        rows: list[int] = []
+        begin = 0
+        for chunk, tokens in zip(out.chunks, confirmed, strict=True):
+            seq, start, known = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
+            # Position p is given token p + 1: the chunk's own, then what the step confirmed.
+            after = list(tokens) if chunk.sample else seq.token_ids[known : known + 1]
+            span = _Span(seq, start, seq.token_ids[start + 1 : known] + after, 1 if chunk.sample else 0)
+            spans.append(span)
+            rows.extend(range(begin, begin + len(span.tokens)))
+            begin += chunk.num_tokens + len(chunk.draft)
+        index = self._tensor(rows)
+        drafts: list[int] = []
+        at = 0
+        for group in [[span] for span in spans] if self.config.deterministic else [spans]:
+            n = sum(len(span.tokens) for span in group)
+            try:
+                drafts += self._draft(group, hidden.index_select(0, index[at : at + n]))
+            except BaseException:
+                self._mtp_rows = _DecodeRows()
+                raise
+            at += n
+        it = iter(drafts)
+        return [[next(it)] if span.samples else [] for span in spans]
+
+    def _draft(self, spans: list[_Span], previous_hidden: torch.Tensor) -> list[int]:
+        assert self.mtp is not None
+        batch = self._batch(spans, self._mtp_rows)
+        hidden = self.mtp(batch, previous_hidden)
+        logits = self.mtp.compute_logits(hidden[batch.sample_index])
+        return [int(t) for t in logits.argmax(dim=-1).tolist()]
 
     def prepare(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
-        """Flatten the chunks' tokens and build their cache slots and attention spans.
+        """Flatten the chunks' tokens (and drafts) and build their cache slots and attention
+        spans; the rows returned are each sampling chunk's last known token and its drafts."""
+        spans: list[_Span] = []
+        for chunk in chunks:
+            seq, start, known, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens, chunk.end
+            if chunk.num_tokens <= 0 or known > len(seq.token_ids) or end > self.max_model_len:
+                raise ValueError(
+                    f"request {seq.request_id}: bad chunk [{start}, {end}) for {len(seq.token_ids)} tokens"
+                    f" (max_model_len {self.max_model_len})"
+                )
+            tokens = seq.token_ids[start:known] + chunk.draft
+            spans.append(_Span(seq, start, tokens, 1 + len(chunk.draft) if chunk.sample else 0))
+        return self._batch(spans, self._rows)
 
-        Plain Python lists first, one tensor per field after: a step has many small chunks."""
+    def _batch(self, spans: list[_Span], rows: _DecodeRows) -> ForwardBatch:
+        """Plain Python lists first, one tensor per field after: a step has many small spans."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -191,13 +290,8 @@ class ModelRunner:
         decode_lengths: list[int] = []
         decode_seqs: list[Sequence] = []
         sample_index: list[int] = []
-        for chunk in chunks:
-            seq, start, known, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens, chunk.end
-            if chunk.num_tokens <= 0 or known > len(seq.token_ids) or end > self.max_model_len:
-                raise ValueError(
-                    f"request {seq.request_id}: bad chunk [{start}, {end}) for {len(seq.token_ids)} tokens"
-                    f" (max_model_len {self.max_model_len})"
-                )
+        for seq, start, tokens, samples in spans:
+            end = start + len(tokens)
             table = seq.block_table[: -(-end // bs)]
             if len(table) * bs < end:
                 raise ValueError(f"request {seq.request_id}: {len(seq.block_table)} blocks for {end} tokens")
@@ -206,8 +300,7 @@ class ModelRunner:
                 # for them, since the window mask hides them.
                 table = [0 if b == NULL_BLOCK else b for b in table]
             begin = len(ids)
-            ids.extend(seq.token_ids[start:known])
-            ids.extend(chunk.draft)
+            ids.extend(tokens)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if end - start == 1:
@@ -218,8 +311,7 @@ class ModelRunner:
             else:  # a prompt chunk, or a decode step with its draft: attended like a prompt's
                 context = self._tensor(table) if start else None
                 prefills.append(PrefillSpan(begin, len(ids), start, context))
-            if chunk.sample:  # the last known token's row, then one per draft token
-                sample_index.extend(range(begin + chunk.num_tokens - 1, len(ids)))
+            sample_index.extend(range(len(ids) - samples, len(ids)))
         batch = ForwardBatch(
             input_ids=self._tensor(ids),
             positions=self._tensor(positions),
@@ -235,21 +327,20 @@ class ModelRunner:
             padded = [t + [0] * (width - len(t)) for t in decode_tables]  # block 0: masked out
             batch.decode_index = self._tensor(decode_index)
             batch.decode_blocks = self._tensor(padded)
-            batch.decode_plan = self._decode_plan(decode_seqs, decode_lengths, width)
+            batch.decode_plan = self._decode_plan(decode_seqs, decode_lengths, width, rows)
         return batch
 
-    def _decode_plan(self, seqs: list[Sequence], lengths: list[int], width: int) -> DecodePlan:
+    def _decode_plan(
+        self, seqs: list[Sequence], lengths: list[int], width: int, rows: _DecodeRows
+    ) -> DecodePlan:
         """Which workspace rows carry over from the previous step (a sequence one token further
         on) and which are rebuilt from the paged cache (new to decoding, or everything when the
         longest context outgrows the workspace; then it is sized with room to grow)."""
         length = max(lengths)
-        previous = {
-            id(s): (row, n)
-            for row, (s, n) in enumerate(zip(self._decode_seqs, self._decode_lengths, strict=True))
-        }
-        self._decode_seqs, self._decode_lengths = seqs, lengths
-        if length > self._decode_capacity:
-            self._decode_capacity = (width + _WORKSPACE_HEADROOM_BLOCKS) * self.block_size
+        previous = {id(s): (row, n) for row, (s, n) in enumerate(zip(rows.seqs, rows.lengths, strict=True))}
+        rows.seqs, rows.lengths = seqs, lengths
+        if length > rows.capacity:
+            rows.capacity = (width + _WORKSPACE_HEADROOM_BLOCKS) * self.block_size
             previous = {}
         keep_from: list[int] = []
         keep_to: list[int] = []
@@ -271,18 +362,18 @@ class ModelRunner:
             if window is not None and length > window:
                 # The token at length - 1 sees the `window` keys up to itself.
                 window_mask = (real & (at >= lengths_t[:, None] - window))[:, None, None, :]
-        rows = self._tensor(keep_to)
+        kept = self._tensor(keep_to)
         reuse = not fresh and keep_from == keep_to  # every row continues where it was
         return DecodePlan(
-            capacity=self._decode_capacity,
+            capacity=rows.capacity,
             length=length,
             mask=mask,
             window_mask=window_mask,
             reuse=reuse,
             keep_from=None if reuse or not keep_from else self._tensor(keep_from),
             fresh=self._tensor(fresh) if fresh else None,
-            append_rows=rows if keep_to else None,
-            append_positions=lengths_t.index_select(0, rows) - 1 if keep_to else None,
+            append_rows=kept if keep_to else None,
+            append_positions=lengths_t.index_select(0, kept) - 1 if keep_to else None,
         )
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:

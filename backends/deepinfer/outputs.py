@@ -42,6 +42,15 @@ class ScheduledChunk:
         """Where the chunk ends: its known tokens and its draft."""
         return self.start + self.num_tokens + len(self.draft)
 
+    def verified(self, sampled: list[int]) -> int:
+        """How many of the tokens sampled for this chunk (`1 + len(draft)` of them) its sequence
+        keeps: up to and including the first that differs from its draft token (stop
+        conditions aside)."""
+        for j, token in enumerate(self.draft):
+            if sampled[j] != token:
+                return j + 1
+        return len(self.draft) + 1
+
 
 @dataclass(slots=True)
 class SchedulerOutput:
@@ -50,6 +59,9 @@ class SchedulerOutput:
     # Prefix blocks onboarded from lower KV tiers or a prefill worker: the runner writes them
     # into the device cache during the forward, each layer's before that layer reads them.
     loads: list[BlockLoad] = field(default_factory=list)
+    # After the forward: each chunk's draft for its sequence's next step, from the model's MTP
+    # layer (empty without one).
+    drafts: list[list[int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -10,8 +10,9 @@ back to waiting with its tokens, and the prefix cache usually gives most of its 
 Disaggregation: a prefill-only request finishes after its first token ("length") with its
 prompt's blocks held under its request id (`held`), until `release` drops them.
 
-Speculative decoding (`num_speculative_tokens`): a decode step may carry draft tokens from
-the n-gram proposer (ngram.py), which the step computes like a prompt chunk and samples at
+Speculative decoding (`num_speculative_tokens`): a decode step may carry draft tokens, from
+the n-gram proposer (ngram.py) or from the model's MTP layer (the runner's, left in
+`seq.draft` by the step before), which the step computes like a prompt chunk and samples at
 every position. `postprocess` keeps the sampled tokens up to and including the first one that
 differs from its draft: each was sampled from the sequence as it stood with the drafts before
 it, so the output is what plain decoding would give (for a seeded request too, whose draws
@@ -66,9 +67,10 @@ class Scheduler:
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = 0
         self._waiting_tokens = 0  # sum of len(seq) over `waiting`, kept so load reports are cheap
+        self.speculating = config.num_speculative_tokens > 0
         self.proposer = (
             NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
-            if config.num_speculative_tokens
+            if self.speculating and config.speculative_method == "ngram"
             else None
         )
         self.num_draft_tokens = 0  # draft tokens verified, ever
@@ -161,7 +163,7 @@ class Scheduler:
             n = total - start if total - start < budget else budget
             # n == 1 is a decode step, or a longer chunk cut to the budget's last token, which
             # leaves no budget to draft with.
-            draft = self._draft(seq, budget - n) if self.proposer is not None and n == 1 else []
+            draft = self._draft(seq, budget - n) if self.speculating and n == 1 else []
             # Most decode steps fit in the last block's free slots: nothing to allocate.
             if start + n + len(draft) > len(seq.block_table) * block_size:
                 if not self._make_room(seq, n + len(draft), out):
@@ -181,7 +183,8 @@ class Scheduler:
         room = min(budget, request.max_tokens - seq.num_completion_tokens - 1)
         if self.max_model_len:
             room = min(room, self.max_model_len - len(seq.token_ids) - 1)
-        assert self.proposer is not None
+        if self.proposer is None:
+            return seq.draft[: max(room, 0)]
         return self.proposer.propose(seq.token_ids, room)
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
@@ -242,24 +245,26 @@ class Scheduler:
         i = 0
         any_finished = False
         kv, block_size, running = self.kv_cache, self.block_size, SequenceStatus.RUNNING
-        for chunk in out.chunks:
+        for c, chunk in enumerate(out.chunks):
             seq, draft = chunk.seq, chunk.draft
             rows = sampled[i : i + 1 + len(draft)] if chunk.sample else sampled[i:i]
             i += len(rows)
             if seq.status is not running:
                 continue  # aborted while the step ran
-            # The known tokens' KV, and each accepted draft token's (reaching past the prompt
-            # only for a sampled chunk, whose tokens are appended first).
-            computed = seq.num_computed_tokens + chunk.num_tokens
+            if out.drafts:
+                seq.draft = out.drafts[c]
             reason: str | None = None
             new: list[SampledToken] = []
-            for j, token in enumerate(rows):
+            kept = chunk.verified([t.token_id for t in rows]) if draft else len(rows)
+            for token in rows[:kept]:
                 new.append(token)
                 seq.token_ids.append(token.token_id)
                 reason = self._stop_reason(seq, token.token_id)
-                if reason is not None or j == len(draft) or token.token_id != draft[j]:
+                if reason is not None:
                     break
-                computed += 1  # the draft token this one confirms is now the sequence's
+            # The known tokens' KV, and each accepted draft token's (reaching past the prompt
+            # only for a sampled chunk, whose tokens are appended first).
+            computed = seq.num_computed_tokens + chunk.num_tokens + max(len(new) - 1, 0)
             if draft:
                 self.num_draft_tokens += len(draft)
                 self.num_accepted_tokens += len(new) - 1

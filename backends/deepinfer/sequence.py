@@ -26,6 +26,7 @@ class Sequence:
         "arrived",
         "block_hashes",
         "block_table",
+        "draft",
         "fetch",
         "finish_reason",
         "num_accepted_tokens",
@@ -54,6 +55,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (for usage)
         self.num_draft_tokens = 0  # speculated tokens verified for it, and of those accepted
         self.num_accepted_tokens = 0
+        self.draft: list[int] = []  # the MTP layer's draft for the next decode step
         # Leading entries of block_table already offered to the prefix cache (KVCacheManager).
         self.num_registered_blocks = 0
         self.finish_reason: str | None = None

@@ -1,8 +1,9 @@
 """Tiny local checkpoints: a byte-level BPE tokenizer trained here and random-weight models.
 
-Nothing is downloaded. Tests build Llama, Qwen2, Qwen3, Qwen3-MoE and DeepSeek-V3 checkpoints in
-the Hugging Face layout (config.json, model.safetensors, tokenizer files), so the same directory
-feeds DeepInfer and, as the reference, transformers. Everything is deterministic given the seed.
+Nothing is downloaded. Tests build Llama, Qwen2, Qwen3, Qwen3-MoE and DeepSeek-V3 checkpoints
+(DeepSeek-V3's with its MTP layer given `num_nextn_predict_layers=1`) in the Hugging Face
+layout (config.json, model.safetensors, tokenizer files), so the same directory feeds
+DeepInfer and, as the reference, transformers. Everything is deterministic given the seed.
 
     from backends.deepinfer.tiny import build_checkpoint
     model_dir = build_checkpoint(tmp_path / "llama", "llama")
@@ -189,6 +190,42 @@ def build_checkpoint(out_dir: Path, arch: Arch = "llama", seed: int = 0, **overr
     return out_dir
 
 
+def build_mtp_checkpoint(out_dir: Path, hidden_weight: float = 0.0, seed: int = 0) -> Path:
+    """A one-layer DeepSeek-V3 whose MTP layer predicts well: random MTP weights would draft
+    the right token about once in a vocabulary's size, so no draft would ever be accepted.
+
+    The MTP layer is a copy of the decoder layer, fed the next token's embedding (rows of unit
+    RMS, so the layer sees what the model's own layer sees) and `hidden_weight` times the main
+    model's hidden state, with the model's own head. At position i it then attends over tokens
+    2 .. i + 1 at their relative positions, as the decoder layer at position i + 1 attends over
+    tokens 0 .. i + 1, and so drafts nearly the model's next-but-one token (with weight 0);
+    a larger `hidden_weight` makes the hidden state matter, at the price of more rejections."""
+    from safetensors.torch import load_file, save_file
+
+    build_checkpoint(
+        out_dir, "deepseek_v3", seed, num_hidden_layers=1, first_k_dense_replace=0, num_nextn_predict_layers=1
+    )
+    tensors = load_file(out_dir / "model.safetensors")
+    embed = tensors["model.embed_tokens.weight"]
+    embed = tensors["model.embed_tokens.weight"] = embed * torch.rsqrt(embed.pow(2).mean(-1, keepdim=True))
+    hidden = embed.shape[1]
+    mtp = "model.layers.1."
+    for name in [n for n in tensors if n.startswith("model.layers.0.")]:
+        tensors[name.replace("model.layers.0.", mtp)] = tensors[name].clone()
+    tensors.update(
+        {
+            f"{mtp}embed_tokens.weight": embed.clone(),
+            f"{mtp}enorm.weight": torch.ones(hidden),
+            f"{mtp}hnorm.weight": torch.ones(hidden),
+            f"{mtp}eh_proj.weight": torch.cat([torch.eye(hidden), hidden_weight * torch.eye(hidden)], dim=1),
+            f"{mtp}shared_head.norm.weight": tensors["model.norm.weight"].clone(),
+            f"{mtp}shared_head.head.weight": tensors["lm_head.weight"].clone(),
+        }
+    )
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
 def _init(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
     if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
         return 1.0 + 0.1 * torch.randn(shape, generator=generator)
@@ -198,7 +235,7 @@ def _init(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torc
         return 0.1 * torch.randn(shape, generator=generator)
     if "embed_tokens" in name:
         return torch.randn(shape, generator=generator)
-    if name == "lm_head.weight":  # logits with std ~4: clear greedy margins
+    if name == "lm_head.weight" or name.endswith("shared_head.head.weight"):  # logits with std ~4
         return 4.0 * torch.randn(shape, generator=generator) / math.sqrt(shape[-1])
     # Linear weights [out, in]: unit-variance outputs for unit-variance inputs.
     return torch.randn(shape, generator=generator) / math.sqrt(shape[-1])
@@ -211,8 +248,16 @@ def _param_shapes(arch: Arch, c: dict[str, Any]) -> Iterator[tuple[str, tuple[in
     yield "model.norm.weight", (hidden,)
     if not c["tie_word_embeddings"]:
         yield "lm_head.weight", (vocab, hidden)
-    for i in range(c["num_hidden_layers"]):
+    mtp_layers = c.get("num_nextn_predict_layers", 0) if arch == "deepseek_v3" else 0
+    for i in range(c["num_hidden_layers"] + mtp_layers):
         prefix = f"model.layers.{i}"
+        if i >= c["num_hidden_layers"]:  # a multi-token-prediction layer's own parts
+            yield f"{prefix}.embed_tokens.weight", (vocab, hidden)
+            yield f"{prefix}.enorm.weight", (hidden,)
+            yield f"{prefix}.hnorm.weight", (hidden,)
+            yield f"{prefix}.eh_proj.weight", (hidden, 2 * hidden)
+            yield f"{prefix}.shared_head.norm.weight", (hidden,)
+            yield f"{prefix}.shared_head.head.weight", (vocab, hidden)
         yield f"{prefix}.input_layernorm.weight", (hidden,)
         yield f"{prefix}.post_attention_layernorm.weight", (hidden,)
         if arch == "deepseek_v3":

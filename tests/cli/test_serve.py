@@ -187,14 +187,19 @@ def test_ttft_routing_serves(tmp_path: Path) -> None:
         assert metric(metrics, "weir_router_predicted_ttft_seconds_count", labels) == 3
 
 
-def test_deepinfer_speculative_decoding_serves(tmp_path: Path) -> None:
-    """`--speculative-config` (vLLM's n-gram JSON) on DeepInfer: the stream is whole, its usage
-    counts the drafts accepted and rejected (OpenAI's `completion_tokens_details`), and /metrics
-    the drafts verified and accepted."""
-    from backends.deepinfer.tiny import build_checkpoint
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_deepinfer_speculative_decoding_serves(tmp_path: Path, method: str) -> None:
+    """`--speculative-config` (vLLM's JSON: n-gram on a tiny Llama, MTP on a tiny DeepSeek-V3
+    whose MTP layer predicts) on DeepInfer: the stream is whole, its usage counts the drafts
+    accepted and rejected (OpenAI's `completion_tokens_details`), and /metrics the drafts
+    verified and accepted."""
+    from backends.deepinfer.tiny import build_checkpoint, build_mtp_checkpoint
 
-    model = build_checkpoint(tmp_path / "tiny-llama", "llama")
-    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+    if method == "mtp":
+        model, spec = build_mtp_checkpoint(tmp_path / "tiny-deepseek-mtp"), '{"method": "mtp"}'
+    else:
+        model = build_checkpoint(tmp_path / "tiny-llama", "llama")
+        spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
     argv = ["serve", "--backend", "deepinfer", "--model", str(model), "--served-model-name", "tiny"]
     argv += ["--num-kv-blocks", "64", "--speculative-config", spec, "--port", "0"]
     log = tmp_path / "serve.log"
@@ -220,7 +225,7 @@ def test_deepinfer_speculative_decoding_serves(tmp_path: Path) -> None:
         accepted = metric(metrics, "weir_deepinfer_spec_accepted_tokens_total", 'model="tiny"')
         assert accepted == details.accepted_prediction_tokens
         assert drafted == accepted + (details.rejected_prediction_tokens or 0), (drafted, details)
-        # A request the proposer finds nothing for reports no details at all.
+        # A request that never decodes past its first token reports no details at all.
         plain = client.completions.create(model="tiny", prompt=[7], max_tokens=1, temperature=0)
         assert plain.usage is not None and plain.usage.completion_tokens_details is None
         assert stop(proc, signal.SIGTERM) == 0

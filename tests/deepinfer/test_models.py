@@ -353,14 +353,33 @@ def test_loader_rejects_incomplete_or_foreign_checkpoints(tmp_path: Path) -> Non
         make_runner(model_dir)
 
 
-def test_deepseek_skips_mtp_layers_and_maps_experts(tmp_path: Path) -> None:
+def test_deepseek_maps_experts_and_mtp_layers_only_when_asked(tmp_path: Path) -> None:
     from backends.deepinfer.hf_config import HFConfig
     from backends.deepinfer.models.deepseek_v3 import DeepseekV3ForCausalLM
 
-    model_dir = build_checkpoint(tmp_path, "deepseek_v3")
-    model = DeepseekV3ForCausalLM(HFConfig.load(model_dir), max_positions=16)
+    model_dir = build_checkpoint(tmp_path, "deepseek_v3", num_nextn_predict_layers=1)
+    config = HFConfig.load(model_dir)
+    model = DeepseekV3ForCausalLM(config, max_positions=16)
     layers = model.config.num_hidden_layers
     assert model.weight_target(f"model.layers.{layers}.eh_proj.weight") is None
+    with_mtp = DeepseekV3ForCausalLM(config, max_positions=16, mtp_layers=1)
+    mtp = f"model.layers.{layers}"
+    assert with_mtp.weight_target(f"{mtp}.eh_proj.weight") == ("mtp.0.eh_proj.weight", None)
+    assert with_mtp.weight_target(f"{mtp}.shared_head.head.weight") == ("mtp.0.shared_head.head.weight", None)
+    assert with_mtp.weight_target(f"{mtp}.embed_tokens.weight") == ("mtp.0.embed_tokens.weight", None)
+    assert with_mtp.weight_target(f"{mtp}.self_attn.kv_b_proj.weight") == (
+        "mtp.0.block.self_attn.kv_b_proj.weight",
+        None,
+    )
+    assert with_mtp.weight_target(f"{mtp}.mlp.experts.3.down_proj.weight") == (
+        "mtp.0.block.mlp.experts.w2",
+        (3, "down"),
+    )
+    assert with_mtp.weight_target(f"{mtp}.mlp.shared_experts.up_proj.weight") == (
+        "mtp.0.block.mlp.shared_experts.gate_up_proj.weight",
+        "up",
+    )
+    assert with_mtp.weight_target(f"model.layers.{layers + 1}.eh_proj.weight") is None  # a second, unused
     assert model.weight_target("model.layers.2.mlp.experts.5.up_proj.weight") == (
         "model.layers.2.mlp.experts.w13",
         (5, "up"),

@@ -55,19 +55,26 @@ def test_proposals_stop_at_k_the_limit_and_the_end_of_the_sequence() -> None:
     assert NgramProposer(k=4, min_n=2, max_n=2).propose([1, 1, 1], limit=10) == [1]
 
 
-def test_speculative_config_takes_vllms_ngram_json() -> None:
+def test_speculative_config_takes_vllms_ngram_and_mtp_json() -> None:
     assert speculative_config('{"method": "ngram", "num_speculative_tokens": 3}') == {
+        "speculative_method": "ngram",
         "num_speculative_tokens": 3,
         "prompt_lookup_max": 4,
         "prompt_lookup_min": 2,
     }
     assert speculative_config('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 1}') == {
+        "speculative_method": "ngram",
         "num_speculative_tokens": 5,
         "prompt_lookup_max": 1,
         "prompt_lookup_min": 1,
     }
+    mtp = {"speculative_method": "mtp", "num_speculative_tokens": 1}
+    assert speculative_config('{"method": "mtp"}') == mtp
+    assert speculative_config('{"method": "deepseek_mtp", "num_speculative_tokens": 1}') == mtp
     for bad, message in (
         ('{"method": "eagle", "num_speculative_tokens": 3}', "not supported"),
+        ('{"method": "mtp", "num_speculative_tokens": 3}', "one token per step"),
+        ('{"method": "mtp", "prompt_lookup_max": 3}', "unknown fields"),
         ('{"method": "ngram"}', "needs num_speculative_tokens"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "positive integers"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}', "unknown fields"),

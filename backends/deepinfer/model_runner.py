@@ -20,6 +20,8 @@ from backends.deepinfer.kv_arrival import KVArrival
 from backends.deepinfer.kv_cache import PagedKVCache
 from backends.deepinfer.kv_cache_manager import NULL_BLOCK
 from backends.deepinfer.layers.attention import Attention
+from backends.deepinfer.layers.embed import LMHead
+from backends.deepinfer.layers.linear import Linear
 from backends.deepinfer.layers.mla import MLAttention
 from backends.deepinfer.loader import load_weights
 from backends.deepinfer.models.base import CausalLM
@@ -117,6 +119,9 @@ class ModelRunner:
             model = build_model(self.hf_config, self.max_model_len, mtp_layers)
         self.model: CausalLM = model.to(self.dtype).eval()
         load_weights(self.model, self.model_dir)
+        for module in self.model.modules():
+            if isinstance(module, Linear | LMHead):
+                module.pack()  # on a CPU: oneDNN's matmuls (layers/linear.py)
         # The MTP layer drafts from the main model's hidden states, kept from each step until
         # `propose` has used them.
         self.mtp: MTPLayer | None = None

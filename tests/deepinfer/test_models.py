@@ -314,6 +314,35 @@ def test_deterministic_mode_logits_ignore_the_batch(tiny_llama_dir: Path) -> Non
     assert torch.equal(a, b)
 
 
+def test_cpu_linear_layers_multiply_by_onednn_as_f_linear_does(
+    tiny_qwen2_dir: Path, tiny_deepseek_dir: Path
+) -> None:
+    """On a CPU the runner repacks every linear layer's weight for oneDNN and frees the plain
+    one (the logits tests above run through it); a tied head keeps the embedding's weight, and
+    MLA's kv_b_proj, whose weight decode reads whole, stays plain."""
+    import torch.nn.functional as F
+
+    from backends.deepinfer.layers.embed import LMHead
+    from backends.deepinfer.layers.linear import Linear, pack_weight, packed_linear
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    qwen2 = make_runner(tiny_qwen2_dir).model  # tied embeddings
+    linears = [m for m in qwen2.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None and m.weight.numel() == 0 for m in linears)
+    head = qwen2.lm_head
+    assert isinstance(head, LMHead) and head.packed is not None
+    assert head.weight is qwen2.model.embed_tokens.weight and head.weight.numel() > 0
+    mla = make_runner(tiny_deepseek_dir).model.model.layers[0].self_attn
+    assert mla.kv_b_proj.packed is None and mla.kv_b_proj.weight.numel() > 0
+    assert mla.o_proj.packed is not None
+    weight, bias = torch.randn(96, 64), torch.randn(96)
+    for rows in (0, 1, 7, 300):
+        x = torch.randn(rows, 64)
+        plain = F.linear(x, weight, bias)
+        torch.testing.assert_close(packed_linear(x, pack_weight(weight), bias), plain, rtol=1e-5, atol=1e-5)
+
+
 def test_kv_cache_size_and_bytes_per_token(tiny_llama_dir: Path, tiny_deepseek_dir: Path) -> None:
     llama = make_runner(tiny_llama_dir, num_kv_blocks=0, kv_cache_memory_gb=0.001, max_num_seqs=4)
     config = llama.hf_config

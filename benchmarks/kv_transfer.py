@@ -8,14 +8,20 @@ size:
 - same host: `pull_kv` through shared memory against a plain in-process copy of the same
   records, each into a buffer of its own, all alive at the end (as a pull's are);
 - TCP over loopback: `pull_kv` with shared memory off against the bare socket's throughput
-  (`sendall` of the records, `recv_into` one preallocated buffer: no framing, no copies).
+  (`sendall` of the records, `recv_into` one preallocated buffer: no framing, no copies);
+- with `--fabric mooncake` (needs `weir[mooncake]`), instead of the two above: Mooncake's
+  transfer engine over loopback TCP, `pull_kv` with shared memory off and a fabric on both
+  sides (`weir worker --kv-transport mooncake`), against the same bare socket and our own TCP
+  stream, side by side. A run of its own, since the fabric's buffers change what the
+  allocator gives the plain copy.
 
 Each figure is the median of `--repeats` timed runs after one warm-up.
 
     python benchmarks/kv_transfer.py                  # 64 blocks of 2 MiB and of 256 KiB
+    python benchmarks/kv_transfer.py --fabric mooncake
 
-Prints a table and ends with one JSON line: per size GB/s of each path and the two ratios,
-plus the smallest ratio of each kind over the sizes.
+Prints a table and ends with one JSON line: per size GB/s of each path and the ratios, plus
+the smallest ratio of each kind over the sizes.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
+from orchestrator.runtime.kv_fabric import FABRICS, KvFabric, make_fabric
 from orchestrator.runtime.kv_transfer import host_id
 from orchestrator.runtime.kv_transfer_client import pull_kv
 from orchestrator.runtime.kv_transfer_server import KvTransferServer
@@ -74,9 +81,9 @@ def serve_raw(sock: socket.socket, by_size: dict[int, list[bytes]]) -> None:
                     conn.sendall(record)
 
 
-async def sender(blocks: int, sizes: list[int], offers: int) -> None:
+async def sender(blocks: int, sizes: list[int], offers: int, fabric: KvFabric | None) -> None:
     by_size = {size: make_records(blocks, size) for size in sizes}
-    kv = KvTransferServer(HeldRecords(by_size), "bench-sender", hold_s=3600)
+    kv = KvTransferServer(HeldRecords(by_size), "bench-sender", hold_s=3600, fabric=fabric)
     for size in sizes:
         for n in range(offers):
             kv.offer(KvTransfer(transfer_id=f"{size}-{n}"))
@@ -112,9 +119,11 @@ async def timed(run: Callable[[], Awaitable[object]], repeats: int) -> float:
 
 async def receiver(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     sizes = [kib * 1024 for kib in args.size_kib]
+    fabric = make_fabric(args.fabric, "127.0.0.1") if args.fabric else None
     # Each pull serves one offer: per size and transport, a check, a warm-up and the repeats.
     offers = 2 * (args.repeats + 2)
     command = [sys.executable, __file__, "--serve", f"--blocks={args.blocks}", f"--offers={offers}"]
+    command += [f"--fabric={args.fabric}"] if args.fabric else []
     proc = subprocess.Popen(command + [f"--size-kib={kib}" for kib in args.size_kib], stdout=subprocess.PIPE)
     client = RequestPlaneClient()
     try:
@@ -126,7 +135,9 @@ async def receiver(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             records = make_records(args.blocks, size)
             ids = itertools.count()
 
-            def pull(local: bool, size: int = size, ids: Iterator[int] = ids) -> Awaitable[list[bytes]]:
+            def pull(
+                local: bool, fabric: KvFabric | None = None, size: int = size, ids: Iterator[int] = ids
+            ) -> Awaitable[list[bytes | memoryview]]:
                 transfer = KvTransfer(
                     transfer_id=f"{size}-{next(ids)}",
                     address=f"127.0.0.1:{plane_port}",
@@ -134,9 +145,10 @@ async def receiver(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                     block_hashes=list(range(args.blocks)),
                     block_bytes=size,
                 )
-                return pull_kv(client, transfer, 60)
+                return pull_kv(client, transfer, 60, fabric=fabric)
 
-            assert await pull(True) == records and await pull(False) == records, "records differ"
+            assert await pull(False) == records, "records differ"
+            assert await (pull(True) if fabric is None else pull(False, fabric)) == records, "records differ"
 
             async def copy(records: list[bytes] = records) -> list[bytes]:
                 # Each record copied once into a buffer of its own, all kept: what a pull yields.
@@ -145,15 +157,23 @@ async def receiver(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             def raw(size: int = size) -> Awaitable[float]:
                 return asyncio.to_thread(raw_receive, raw_port, size, args.blocks)
 
-            seconds = {
-                "memcpy": await timed(copy, args.repeats),
-                "shm": await timed(lambda: pull(True), args.repeats),
-                "raw_socket": await timed(raw, args.repeats),
-                "tcp": await timed(lambda: pull(False), args.repeats),
-            }
+            seconds: dict[str, float] = {}
+            if fabric is None:
+                seconds["memcpy"] = await timed(copy, args.repeats)
+                seconds["shm"] = await timed(lambda: pull(True), args.repeats)
+            seconds["raw_socket"] = await timed(raw, args.repeats)
+            seconds["tcp"] = await timed(lambda: pull(False), args.repeats)
+            if fabric is not None:
+                seconds[fabric.name] = await timed(lambda: pull(False, fabric), args.repeats)
             figures = {f"{name}_gbps": round(total / t / 1e9, 2) for name, t in seconds.items()}
-            figures["shm_vs_memcpy"] = round(seconds["memcpy"] / seconds["shm"], 3)
+            if fabric is None:
+                figures["shm_vs_memcpy"] = round(seconds["memcpy"] / seconds["shm"], 3)
             figures["tcp_vs_raw_socket"] = round(seconds["raw_socket"] / seconds["tcp"], 3)
+            if fabric is not None:
+                figures[f"{fabric.name}_vs_raw_socket"] = round(
+                    seconds["raw_socket"] / seconds[fabric.name], 3
+                )
+                figures[f"{fabric.name}_vs_tcp"] = round(seconds["tcp"] / seconds[fabric.name], 3)
             results[f"{args.blocks}x{size // 1024}KiB"] = figures
             print(
                 f"{args.blocks} x {size // 1024:>5} KiB: " + ", ".join(f"{k} {v}" for k, v in figures.items())
@@ -172,20 +192,24 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=64)
     parser.add_argument("--size-kib", type=int, action="append", help="record size (repeatable)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--fabric", choices=FABRICS, help="measure this fabric beside TCP (see above)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the sender process
     parser.add_argument("--offers", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.size_kib = args.size_kib or [2048, 256]
     run = uvloop.run if uvloop is not None else asyncio.run
     if args.serve:
-        run(sender(args.blocks, [kib * 1024 for kib in args.size_kib], args.offers))
+        fabric = make_fabric(args.fabric, "127.0.0.1") if args.fabric else None
+        run(sender(args.blocks, [kib * 1024 for kib in args.size_kib], args.offers, fabric))
         return
     results = run(receiver(args))
-    summary = {
-        "shm_vs_memcpy": min(r["shm_vs_memcpy"] for r in results.values()),
-        "tcp_vs_raw_socket": min(r["tcp_vs_raw_socket"] for r in results.values()),
-        "sizes": results,
+    ratios = ["shm_vs_memcpy", "tcp_vs_raw_socket", "mooncake_vs_raw_socket", "mooncake_vs_tcp"]
+    summary: dict[str, object] = {
+        ratio: min(r[ratio] for r in results.values())
+        for ratio in ratios
+        if ratio in results[next(iter(results))]
     }
+    summary["sizes"] = results
     print(json.dumps(summary))
 
 

@@ -32,7 +32,9 @@ from orchestrator.cli.options import (
 from orchestrator.runtime.discovery import make_discovery
 from orchestrator.runtime.engine import DeltaStream, Engine
 from orchestrator.runtime.events import make_event_plane
+from orchestrator.runtime.kv_fabric import FABRICS, KvFabric, make_fabric
 from orchestrator.runtime.protocol import KvEventBatch, KvSnapshot, LoadReport, ModelCard, Role, WorkerRequest
+from orchestrator.runtime.request_plane import advertised_host
 from orchestrator.runtime.worker_host import WorkerHost, serve_workers
 
 ROLES: tuple[Role, ...] = get_args(Role)
@@ -99,6 +101,16 @@ def register(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="on SIGTERM, how long in-flight requests may take to finish (default 60)",
     )
+    parser.add_argument(
+        "--kv-transport",
+        choices=("tcp", *FABRICS),
+        default="tcp",
+        help="how a decode worker on another host pulls a prefill worker's KV: tcp, the request "
+        "plane's own stream; mooncake, Mooncake's transfer engine over TCP (pip install "
+        "'weir[mooncake]'; its port has no secret or TLS: a network you trust), by the request "
+        "plane's stream when the other worker has none. Workers on one host use shared memory "
+        "either way (default tcp)",
+    )
     add_cluster_planes(parser)
     add_log_level(parser)
     parser.set_defaults(run=run)
@@ -107,6 +119,9 @@ def register(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     try:
+        fabric = None
+        if args.kv_transport != "tcp":
+            fabric = make_fabric(args.kv_transport, advertised_host(args.host, args.advertise_host))
         model_dir = resolve_model(args.model)
         engine = with_role(make_engine(args, model_dir, args.role), args.role)
     except (ValueError, OSError) as exc:
@@ -114,11 +129,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import uvloop
 
-    uvloop.run(_serve(args, engine, served_name(args, model_dir)))
+    try:
+        uvloop.run(_serve(args, engine, served_name(args, model_dir), fabric))
+    finally:
+        if fabric is not None:
+            fabric.close()
     return 0
 
 
-async def _serve(args: argparse.Namespace, engine: Engine, model: str) -> None:
+async def _serve(args: argparse.Namespace, engine: Engine, model: str, fabric: KvFabric | None) -> None:
     security = plane_security(args, serving=True)
     discovery = make_discovery(args.etcd, args.namespace, ttl=args.lease_ttl)
     events = make_event_plane(args.nats)
@@ -132,6 +151,7 @@ async def _serve(args: argparse.Namespace, engine: Engine, model: str) -> None:
         instance_id=args.instance_id,
         advertise_host=args.advertise_host,
         security=security,
+        kv_fabric=fabric,
     )
     try:
         started = asyncio.create_task(

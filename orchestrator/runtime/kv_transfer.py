@@ -11,15 +11,19 @@ a `KvBlocksCall`; the answer streams the records in order, through one of two tr
   sight; the server unlinks one still there at its expiry, so a caller that died leaks
   nothing. Plain files rather than `multiprocessing.shared_memory`: its resource tracker
   would unlink (and warn about) segments the other process still owns.
+- a transfer engine's fabric between hosts, when both workers run one (kv_fabric.py): the
+  server writes each batch into the caller's registered buffer through the fabric, then sends
+  a `KvPushed` frame naming where it lies, so the records travel outside the request plane;
 - the request plane's TCP stream: a `KvInline` frame, then one frame per record, the
   record's bytes as the frame's payload. No encoding around them, so the server writes each
   record as is (connection.py: large payloads skip the write batch) and the caller's only
   copy is the frame's decode; small records still share a write, batched by the plane.
 
-A server turns to `KvInline` mid-stream when the segment cannot be written (a full
-`/dev/shm`). Records are opaque here (kvbm records, checked by the engine); the caller only
-bounds their number and size. Each transfer is served once: the server releases the blocks
-after it, whatever the outcome, and a decode worker recomputes what did not arrive.
+A server turns to `KvInline` mid-stream when the segment or the fabric cannot be written (a
+full `/dev/shm`, a peer the fabric cannot reach). Records are opaque here (kvbm records,
+checked by the engine); the caller only bounds their number and size. Each transfer is
+served once: the server releases the blocks after it, whatever the outcome, and a decode
+worker recomputes what did not arrive.
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ MAX_RECORD_BYTES = MAX_ANSWER_BYTES - 1024
 # Bytes per shared-memory batch: big enough that per-batch costs (a thread hop, a frame) are
 # small, small enough that the caller starts copying early (1 and 4 MiB measure alike).
 KV_BATCH_BYTES = 1024 * 1024
+# Bytes per fabric write: a transfer engine's call has a fixed cost that shared memory's
+# batches do not, and a decode uses its records only once all have come.
+FABRIC_BATCH_BYTES = 16 * 1024 * 1024
 # What a pull may have waiting before it is cancelled (client.py). A pull takes each record
 # frame at once and copies one shared-memory batch at a time (its frames are small), so this
 # only has to hold what one read of the socket brings: two of the largest records.
@@ -62,11 +69,16 @@ class KvBlocksCall(msgspec.Struct, array_like=True):
     """The `kv_blocks` payload. `host_id`: the caller's, when it can read this host's shared
     memory (its `host_id()` equals the transfer's); empty asks for the TCP stream. `segment`:
     the name the caller chose for the shared-memory segment, so that it can remove the
-    segment whatever happens to the server (`segment_name`)."""
+    segment whatever happens to the server (`segment_name`). `fabric`: the caller's fabric
+    session, when it has one, and the receive buffer registered there (`buffer`, its address
+    in the caller; `capacity`, its bytes)."""
 
     transfer_id: str
     host_id: str = ""
     segment: str = ""
+    fabric: str = ""
+    buffer: int = 0
+    capacity: int = 0
 
 
 class KvInline(msgspec.Struct, tag=1, array_like=True):
@@ -81,7 +93,15 @@ class KvShared(msgspec.Struct, tag=2, array_like=True):
     sizes: list[int]
 
 
-KvAnswer = KvInline | KvShared
+class KvPushed(msgspec.Struct, tag=3, array_like=True):
+    """The next records lie in the caller's fabric buffer, back to back from `offset`: each
+    answer's records follow the previous answer's."""
+
+    offset: int
+    sizes: list[int]
+
+
+KvAnswer = KvInline | KvShared | KvPushed
 INLINE = msgspec.msgpack.encode(KvInline())
 
 encode = msgspec.msgpack.Encoder().encode

@@ -22,10 +22,14 @@ import msgspec
 
 from orchestrator.runtime import worker_metrics as metrics
 from orchestrator.runtime.errors import EngineError
+from orchestrator.runtime.kv_fabric import KvFabric
 from orchestrator.runtime.kv_transfer import (
+    FABRIC_BATCH_BYTES,
     INLINE,
     MAX_RECORD_BYTES,
     SHM_DIR,
+    KvBlocksCall,
+    KvPushed,
     KvShared,
     batches,
     decode_call,
@@ -53,12 +57,19 @@ class TransferSource(Protocol):
 
 
 class KvTransferServer:
-    def __init__(self, engine: TransferSource, worker_id: str, hold_s: float = DEFAULT_HOLD_S) -> None:
+    def __init__(
+        self,
+        engine: TransferSource,
+        worker_id: str,
+        hold_s: float = DEFAULT_HOLD_S,
+        fabric: KvFabric | None = None,
+    ) -> None:
         if hold_s <= 0:
             raise ValueError("hold_s must be positive")
         self.engine = engine
         self.worker_id = worker_id
         self.hold_s = hold_s
+        self.fabric = fabric  # pushes to callers that offer a buffer on theirs (kv_fabric.py)
         self._held: dict[str, asyncio.TimerHandle] = {}
         self._segments: dict[str, asyncio.TimerHandle] = {}  # written, maybe not yet claimed
         self._warn = ThrottledWarning(log)
@@ -111,6 +122,12 @@ class KvTransferServer:
                         transport = "shm"
                         yield frame
                         done, sent = done + count, sent + size
+            elif call.fabric and self.fabric is not None:
+                async with contextlib.aclosing(self._pushed(records[:usable], call, self.fabric)) as frames:
+                    async for frame, count, size in frames:
+                        transport = self.fabric.name
+                        yield frame
+                        done, sent = done + count, sent + size
             if done < usable:
                 yield INLINE
                 for record in records[done:usable]:
@@ -149,6 +166,25 @@ class KvTransferServer:
             self._warn("worker %s: KV segment write failed, the rest over TCP: %s", self.worker_id, exc)
         finally:
             os.close(fd)
+
+    async def _pushed(
+        self, records: list[bytes], call: KvBlocksCall, fabric: KvFabric
+    ) -> AsyncGenerator[tuple[bytes, int, int], None]:
+        """`records` written through `fabric` into the caller's buffer batch by batch, each
+        batch's `KvPushed` frame with its record and byte counts once the batch has landed.
+        Stops early (the rest goes over TCP) at the end of the buffer or when a write fails."""
+        offset = 0
+        for group in batches(records, FABRIC_BATCH_BYTES):
+            size = sum(map(len, group))
+            if offset + size > call.capacity:
+                return
+            try:
+                await asyncio.to_thread(fabric.write, call.fabric, group, call.buffer + offset)
+            except OSError as exc:
+                self._warn("worker %s: KV fabric write failed, the rest over TCP: %s", self.worker_id, exc)
+                return
+            yield encode(KvPushed(offset, [len(r) for r in group])), len(group), size
+            offset += size
 
     def _expire(self, transfer_id: str) -> None:
         if self._held.pop(transfer_id, None) is not None:

@@ -12,7 +12,8 @@ Disaggregation goes through `generate`, so in-process callers get it too. The la
 a prefill-only request carries the engine's `KvTransfer`; the host fills in where to pull it
 (instance id, request-plane address, host id) and holds it for one pull or `kv_hold_s`
 (kv_transfer_server.py). A request with `kv_transfer` first pulls the records from that
-worker (shared memory on one host, else TCP, with the host's own `PlaneSecurity`; at most
+worker (shared memory on one host, else the host's `kv_fabric` when both workers run one,
+else TCP; the call always goes over the request plane with the host's own `PlaneSecurity`; at most
 `kv_pull_timeout_s`; cancelling the request stops the pull) and hands what arrived to
 `engine.generate(request, arrived_kv)`: the engine recomputes whatever is missing.
 
@@ -46,6 +47,7 @@ from orchestrator.runtime.engine import DeltaStream, Engine
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.events import EventPlane
 from orchestrator.runtime.hashing import block_hashes, prompt_block_names
+from orchestrator.runtime.kv_fabric import KvFabric
 from orchestrator.runtime.kv_transfer import host_id
 from orchestrator.runtime.kv_transfer_client import pull_kv
 from orchestrator.runtime.kv_transfer_server import DEFAULT_HOLD_S, KvTransferServer
@@ -98,6 +100,7 @@ class WorkerHost:
         security: PlaneSecurity | None = None,
         kv_hold_s: float = DEFAULT_HOLD_S,
         kv_pull_timeout_s: float = DEFAULT_KV_PULL_TIMEOUT_S,
+        kv_fabric: KvFabric | None = None,
     ) -> None:
         self.engine = engine
         self.discovery = discovery
@@ -112,7 +115,8 @@ class WorkerHost:
         self.in_flight = 0
         self.draining = False
         self.kv_pull_timeout_s = kv_pull_timeout_s
-        self.kv = KvTransferServer(engine, self.instance_id, kv_hold_s)
+        self.kv_fabric = kv_fabric  # KV between hosts through a transfer engine (kv_fabric.py)
+        self.kv = KvTransferServer(engine, self.instance_id, kv_hold_s, kv_fabric)
         self._server = RequestPlaneServer(
             {
                 GENERATE: self._generate,
@@ -208,7 +212,11 @@ class WorkerHost:
                 stream = self.engine.generate(request)
             else:
                 arrived = await pull_kv(
-                    self._kv_client, request.kv_transfer, self.kv_pull_timeout_s, worker_id=self.instance_id
+                    self._kv_client,
+                    request.kv_transfer,
+                    self.kv_pull_timeout_s,
+                    worker_id=self.instance_id,
+                    fabric=self.kv_fabric,
                 )
                 stream = self.engine.generate(request, arrived)
             async for delta in stream:

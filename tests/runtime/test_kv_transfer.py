@@ -1,5 +1,6 @@
 """The KV data plane: WorkerHosts on real request-plane sockets, a prefill host holding
-FakeEngine records and a decode host pulling them (shared memory and TCP), expiry, a killed
+FakeEngine records and a decode host pulling them (shared memory, TCP, and Mooncake's transfer
+engine as the fabric between hosts), expiry, a killed
 prefill process, refused records, the cluster secret, and /dev/shm left clean."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -16,14 +18,17 @@ import msgspec
 import pytest
 from prometheus_client import REGISTRY
 
+from orchestrator.runtime import kv_transfer_server
 from orchestrator.runtime.discovery import Discovery
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.events import EventPlane
 from orchestrator.runtime.hashing import block_hashes
+from orchestrator.runtime.kv_fabric import KvFabric, make_fabric
 from orchestrator.runtime.kv_transfer import (
     INLINE,
     SHM_DIR,
     KvBlocksCall,
+    KvPushed,
     KvShared,
     decode_answer,
     host_id,
@@ -352,8 +357,17 @@ async def test_oversized_and_surplus_records_are_refused(answer: list[bytes], ke
         await server.stop()
 
 
-async def test_a_segment_name_outside_the_pattern_is_never_opened() -> None:
-    server = await answering([msgspec.msgpack.encode(KvShared("../../etc/passwd", 0, [10]))])
+@pytest.mark.parametrize(
+    "answer",
+    [
+        KvShared("../../etc/passwd", 0, [10]),  # a segment name outside the pattern
+        KvPushed(0, [10]),  # a fabric buffer, where the pull offered none
+    ],
+)
+async def test_an_answer_naming_memory_the_pull_did_not_offer_is_never_read(
+    answer: KvShared | KvPushed,
+) -> None:
+    server = await answering([msgspec.msgpack.encode(answer)])
     client = RequestPlaneClient()
     try:
         transfer = KvTransfer(
@@ -424,3 +438,101 @@ async def test_a_transfer_naming_other_blocks_is_refused_on_the_wire(
     finally:
         await client.close()
         await d.stop()
+
+
+# ---------------------------------------------------------------- a transfer engine's fabric
+
+
+@pytest.fixture(scope="module")
+def fabrics() -> tuple[KvFabric, KvFabric]:
+    """Two Mooncake transfer engines on loopback, one per side, as two hosts would run."""
+    try:
+        return make_fabric("mooncake", "127.0.0.1"), make_fabric("mooncake", "127.0.0.1")
+    except ValueError as exc:
+        if os.environ.get("WEIR_REQUIRE_MOONCAKE") == "1":
+            pytest.fail(f"WEIR_REQUIRE_MOONCAKE=1 but {exc}", pytrace=False)
+        pytest.skip(f"Mooncake's transfer engine is not installed: {exc}")
+
+
+async def test_a_decode_on_another_host_gets_the_records_through_the_fabric(
+    planes: tuple[Discovery, EventPlane], fabrics: tuple[KvFabric, KvFabric], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kv_transfer_server, "FABRIC_BATCH_BYTES", 1 << 20)  # a write per record
+    p = await started(planes, "p-fabric", FakeEngine(record_bytes=1 << 20), kv_fabric=fabrics[0])
+    d = await started(planes, "d-fabric", kv_fabric=fabrics[1])
+    try:
+        transfer = await prefill(p)
+        transfer.host_id = "another-machine"
+        deltas = await collect(d.generate(decode_request(transfer)))
+        assert deltas[-1].finish_reason == "length"
+        assert isinstance(d.engine, FakeEngine) and d.engine.arrived["d"] == expected_records(1 << 20)
+        await eventually(lambda: not p.kv.holds(transfer.transfer_id))
+        for worker, direction in ((d.instance_id, "pulled"), (p.instance_id, "served")):
+            labels = {"worker": worker, "direction": direction}
+            assert metric("weir_worker_kv_transfer_bytes_total", **labels, transport="mooncake") == 4 << 20
+            assert metric("weir_worker_kv_transfer_bytes_total", **labels, transport="tcp") == 0
+            assert metric("weir_worker_kv_transfers_total", **labels, outcome="ok") == 1
+    finally:
+        await d.stop()
+        await p.stop()
+
+
+async def test_a_prefill_without_a_fabric_answers_a_fabric_caller_over_tcp(
+    planes: tuple[Discovery, EventPlane], fabrics: tuple[KvFabric, KvFabric]
+) -> None:
+    p = await started(planes, "p-nofabric")
+    d = await started(planes, "d-nofabric", kv_fabric=fabrics[1])
+    try:
+        transfer = await prefill(p)
+        transfer.host_id = "another-machine"
+        await collect(d.generate(decode_request(transfer)))
+        assert isinstance(d.engine, FakeEngine) and d.engine.arrived["d"] == expected_records(256)
+        labels = {"worker": d.instance_id, "direction": "pulled"}
+        assert metric("weir_worker_kv_transfer_bytes_total", **labels, transport="tcp") == 4 * 256
+    finally:
+        await d.stop()
+        await p.stop()
+
+
+async def test_a_fabric_write_that_fails_sends_the_records_over_tcp(
+    planes: tuple[Discovery, EventPlane], fabrics: tuple[KvFabric, KvFabric]
+) -> None:
+    """A caller whose fabric cannot be reached (here: nobody listens at its session) still
+    gets every record, on the request plane's stream."""
+    p = await started(planes, "p-unreachable", kv_fabric=fabrics[0])
+    client = RequestPlaneClient()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, never listening: the fabric's connect is refused
+    try:
+        transfer = await prefill(p)
+        session = f"mooncake:127.0.0.1:{closed.getsockname()[1]}"
+        call = KvBlocksCall(transfer.transfer_id, fabric=session, buffer=1 << 20, capacity=1 << 20)
+        frames = [frame async for frame in client.stream(p.address, KV_BLOCKS, msgspec.msgpack.encode(call))]
+        assert frames == [INLINE, *expected_records(256)]
+    finally:
+        closed.close()
+        await client.close()
+        await p.stop()
+
+
+@pytest.mark.parametrize(
+    ("answer", "kept"),
+    [
+        ([msgspec.msgpack.encode(KvPushed(100, [100]))], 0),  # not where the buffer starts
+        ([msgspec.msgpack.encode(KvPushed(0, [100])), msgspec.msgpack.encode(KvPushed(0, [100]))], 1),
+        ([msgspec.msgpack.encode(KvPushed(0, [100, 100, 100])), INLINE, b"d" * 100], 3),
+    ],
+)
+async def test_fabric_answers_must_fill_the_buffer_in_order(
+    answer: list[bytes], kept: int, fabrics: tuple[KvFabric, KvFabric]
+) -> None:
+    server = await answering(answer)
+    client = RequestPlaneClient()
+    try:
+        transfer = KvTransfer(
+            transfer_id="t", address=f"127.0.0.1:{server.port}", block_hashes=[1, 2, 3], block_bytes=100
+        )
+        assert len(await pull_kv(client, transfer, 5, fabric=fabrics[1])) == kept
+    finally:
+        await client.close()
+        await server.stop()

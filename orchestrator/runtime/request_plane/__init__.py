@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from orchestrator.runtime.request_plane.client import RequestPlaneClient, ResponseStream
 from orchestrator.runtime.request_plane.security import PlaneSecurity
-from orchestrator.runtime.request_plane.server import Handler, RequestPlaneServer, dial_address
+from orchestrator.runtime.request_plane.server import (
+    Handler,
+    RequestPlaneServer,
+    advertised_host,
+    dial_address,
+)
 from orchestrator.runtime.request_plane.worker_client import (
     GENERATE,
     KV_BLOCKS,
@@ -26,5 +31,6 @@ __all__ = [
     "ResponseStream",
     "TcpWorkerClient",
     "WorkerClient",
+    "advertised_host",
     "dial_address",
 ]

@@ -209,9 +209,15 @@ def _is_loopback(host: str) -> bool:
 
 
 def dial_address(host: str, port: int, advertise_host: str | None = None) -> str:
-    """The "host:port" others dial for a server bound to `host`: `advertise_host` if given;
-    a wildcard bind address is no use to them, so this host's own address stands in."""
-    if not advertise_host:
-        wildcard = host in ("", "0.0.0.0", "::")
-        advertise_host = socket.gethostbyname(socket.gethostname()) if wildcard else host
+    """The "host:port" others dial for a server bound to `host` (`advertised_host`)."""
+    advertise_host = advertised_host(host, advertise_host)
     return f"[{advertise_host}]:{port}" if ":" in advertise_host else f"{advertise_host}:{port}"
+
+
+def advertised_host(host: str, advertise_host: str | None = None) -> str:
+    """The host others dial for a server bound to `host`: `advertise_host` if given; a
+    wildcard bind address is no use to them, so this host's own address stands in."""
+    if advertise_host:
+        return advertise_host
+    wildcard = host in ("", "0.0.0.0", "::")
+    return socket.gethostbyname(socket.gethostname()) if wildcard else host

@@ -10,11 +10,14 @@ those decodes wait; a decode worker only decodes. The
 figures are weir bench's: inter-token latency pooled over every output chunk (the handover's
 gap included), TTFT, TPOT.
 
-    python benchmarks/disagg_deepinfer.py               # SmolLM2, about 3 minutes
+    python benchmarks/disagg_deepinfer.py               # SmolLM2, about 3 minutes a round
+    python benchmarks/disagg_deepinfer.py --rounds 3    # the two alternating, three times
     python benchmarks/disagg_deepinfer.py --model tiny  # a tiny random Llama
 
-Ends with one JSON line: each configuration's figures and `itl_p99_ratio` (disaggregated /
-aggregated; issue #12 wants <= 0.5).
+Ends with one JSON line: each configuration's figures (from the round whose ratio is the
+median) and `itl_p99_ratio` (disaggregated / aggregated; issue #12 wants <= 0.5), the median
+of `rounds_itl_p99_ratio`, one ratio per round. On 2 shared cores one round's ratio moves a
+lot (0.39 and 0.53 on the same code), so the acceptance figure is the median.
 """
 
 from __future__ import annotations
@@ -89,28 +92,39 @@ def main() -> None:
     parser.add_argument("--long-rate", type=float, default=0.25, help="long prompts per second")
     parser.add_argument("--decode-output", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1, help="alternating pairs of runs, same trace")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
         model = deepinfer_model(args.model, work, hidden_size=256, num_hidden_layers=4)
         trace = work / "mixed.jsonl"
         mixed_trace(trace, args, random.Random(args.seed))
-        runs = {
-            "aggregated": serve_and_bench(["--workers", "2"], model, trace, work / "agg.log"),
-            "disaggregated": serve_and_bench(
-                ["--prefill-workers", "1", "--decode-workers", "1", "--disaggregation", "always"],
-                model,
-                trace,
-                work / "disagg.log",
-            ),
-        }
-    for name, figures in runs.items():
-        print(f"{name:14} {figures}", file=sys.stderr)
+        rounds = []
+        for _ in range(args.rounds):
+            runs = {
+                "aggregated": serve_and_bench(["--workers", "2"], model, trace, work / "agg.log"),
+                "disaggregated": serve_and_bench(
+                    ["--prefill-workers", "1", "--decode-workers", "1", "--disaggregation", "always"],
+                    model,
+                    trace,
+                    work / "disagg.log",
+                ),
+            }
+            for name, figures in runs.items():
+                print(f"{name:14} {figures}", file=sys.stderr)
+            rounds.append((itl_p99_ratio(runs), runs))
+    ratios = [ratio for ratio, _ in rounds]
+    median, runs = sorted(rounds, key=lambda r: float("inf") if r[0] is None else r[0])[
+        (len(rounds) - 1) // 2
+    ]
+    print(json.dumps({"model": args.model, **runs, "itl_p99_ratio": median, "rounds_itl_p99_ratio": ratios}))
+
+
+def itl_p99_ratio(runs: dict[str, dict[str, object]]) -> float | None:
     agg, disagg = runs["aggregated"]["itl_p99_ms"], runs["disaggregated"]["itl_p99_ms"]
-    ratio = None
     if isinstance(agg, float) and isinstance(disagg, float) and agg > 0:
-        ratio = round(disagg / agg, 3)
-    print(json.dumps({"model": args.model, **runs, "itl_p99_ratio": ratio}))
+        return round(disagg / agg, 3)
+    return None
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,16 @@ def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with redis_server(tmp_path_factory.mktemp("redis")) as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def mooncake() -> None:
+    """Mooncake's transfer engine is installed (weir[mooncake]); the test skips, saying so,
+    where it is not, except where WEIR_REQUIRE_MOONCAKE=1 (CI sets it): there it fails."""
+    if importlib.util.find_spec("mooncake") is None:
+        if os.environ.get("WEIR_REQUIRE_MOONCAKE") == "1":
+            pytest.fail("WEIR_REQUIRE_MOONCAKE=1 but Mooncake's engine is not installed", pytrace=False)
+        pytest.skip("Mooncake's transfer engine is not installed (pip install 'weir[mooncake]')")
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ the request plane's TCP stream."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -27,16 +26,6 @@ WORKER = [*MOCKER, "--kv-transport", "mooncake"]
 PROMPT = "tell me about the river " * 12  # several 16-token blocks
 
 
-@pytest.fixture(autouse=True)
-def mooncake() -> None:
-    if importlib.util.find_spec("mooncake") is None:
-        if os.environ.get("WEIR_REQUIRE_MOONCAKE") == "1":
-            pytest.fail(
-                "WEIR_REQUIRE_MOONCAKE=1 but Mooncake's transfer engine is not installed", pytrace=False
-            )
-        pytest.skip("Mooncake's transfer engine is not installed (pip install 'weir[mooncake]')")
-
-
 def on_another_host(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     """`weir ARGS` with a /dev/shm of its own (needs root, as CI and the developers' machines
     run: unshare's mount namespace)."""
@@ -47,7 +36,9 @@ def on_another_host(args: list[str], log: Path) -> subprocess.Popen[bytes]:
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs root and unshare")
-def test_the_kv_travels_through_mooncake_between_hosts(etcd_url: str, nats_url: str, tmp_path: Path) -> None:
+def test_the_kv_travels_through_mooncake_between_hosts(
+    etcd_url: str, nats_url: str, tmp_path: Path, mooncake: None
+) -> None:
     plane_args = planes(etcd_url, nats_url, "mooncake")
     ports = {"prefill-0": free_port(), "decode-0": free_port()}
     common = [*WORKER, *plane_args, "--lease-ttl", str(LEASE_TTL)]

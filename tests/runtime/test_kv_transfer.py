@@ -6,6 +6,7 @@ prefill process, refused records, the cluster secret, and /dev/shm left clean.""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import socket
@@ -24,6 +25,7 @@ from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.events import EventPlane
 from orchestrator.runtime.hashing import block_hashes
 from orchestrator.runtime.kv_fabric import KvFabric, make_fabric
+from orchestrator.runtime.kv_mooncake import MooncakeFabric
 from orchestrator.runtime.kv_transfer import (
     INLINE,
     SHM_DIR,
@@ -444,14 +446,9 @@ async def test_a_transfer_naming_other_blocks_is_refused_on_the_wire(
 
 
 @pytest.fixture(scope="module")
-def fabrics() -> tuple[KvFabric, KvFabric]:
+def fabrics(mooncake: None) -> tuple[KvFabric, KvFabric]:
     """Two Mooncake transfer engines on loopback, one per side, as two hosts would run."""
-    try:
-        return make_fabric("mooncake", "127.0.0.1"), make_fabric("mooncake", "127.0.0.1")
-    except ValueError as exc:
-        if os.environ.get("WEIR_REQUIRE_MOONCAKE") == "1":
-            pytest.fail(f"WEIR_REQUIRE_MOONCAKE=1 but {exc}", pytrace=False)
-        pytest.skip(f"Mooncake's transfer engine is not installed: {exc}")
+    return make_fabric("mooncake", "127.0.0.1"), make_fabric("mooncake", "127.0.0.1")
 
 
 async def test_a_decode_on_another_host_gets_the_records_through_the_fabric(
@@ -536,3 +533,51 @@ async def test_fabric_answers_must_fill_the_buffer_in_order(
     finally:
         await client.close()
         await server.stop()
+
+
+def test_receive_buffers_are_pieces_of_one_registered_arena_back_when_their_records_go(
+    mooncake: None,
+) -> None:
+    fabric = MooncakeFabric("127.0.0.1", arena_bytes=1 << 20)
+    total = fabric.arena.free_bytes
+    first, second = fabric.receive_buffer(100_000), fabric.receive_buffer(200_000)
+    assert first.address == fabric.arena.address and second.address > first.address
+    records = [first.view[:10], second.view[:10]]
+    first.close(complete=True)
+    second.close(complete=True)
+    del first, second
+    gc.collect()
+    assert fabric.arena.free_bytes < total  # the records still use their pieces
+    records.clear()
+    gc.collect()
+    assert fabric.arena.free_bytes == total
+    # The two pieces merged back: one buffer may now take nearly all of it.
+    whole = fabric.receive_buffer(total)
+    assert whole.address == fabric.arena.address
+    # A pull that ended before its answer did: its piece stays taken, a write may still land.
+    whole.close(complete=False)
+    del whole
+    gc.collect()
+    assert fabric.arena.free_bytes == 0
+    # With no room in the arena, a buffer of its own, registered for the pull.
+    own = fabric.receive_buffer(4096)
+    assert not fabric.arena.address <= own.address < fabric.arena.address + total
+    own.close(complete=True)
+
+
+async def test_a_pull_larger_than_the_arena_gets_memory_of_its_own(
+    planes: tuple[Discovery, EventPlane], fabrics: tuple[KvFabric, KvFabric]
+) -> None:
+    small = MooncakeFabric("127.0.0.1", arena_bytes=1 << 20)
+    p = await started(planes, "p-big", FakeEngine(record_bytes=1 << 20), kv_fabric=fabrics[0])
+    d = await started(planes, "d-big", kv_fabric=small)
+    try:
+        transfer = await prefill(p)
+        transfer.host_id = "another-machine"
+        await collect(d.generate(decode_request(transfer)))
+        assert isinstance(d.engine, FakeEngine) and d.engine.arrived["d"] == expected_records(1 << 20)
+        labels = {"worker": d.instance_id, "direction": "pulled"}
+        assert metric("weir_worker_kv_transfer_bytes_total", **labels, transport="mooncake") == 4 << 20
+    finally:
+        await d.stop()
+        await p.stop()

@@ -17,11 +17,11 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncGenerator, Callable
-from collections.abc import Sequence as Seq
 
 from backends.deepinfer.engine import Engine
 from backends.deepinfer.outputs import SeqOutput
 from backends.deepinfer.sequence import Sequence
+from orchestrator.runtime.engine import ArrivingKv
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.protocol import (
     FinishReason,
@@ -73,10 +73,11 @@ class AsyncEngine:
     # ------------------------------------------------------------------ requests
 
     async def generate(
-        self, request: WorkerRequest, arrived_kv: Seq[bytes | memoryview] = ()
+        self, request: WorkerRequest, arriving_kv: ArrivingKv | None = None
     ) -> AsyncGenerator[TokenDelta, None]:
         """Stream one request's deltas; the last carries finish_reason and usage (and, for a
-        prefill-only request, the KV it holds). `arrived_kv`: see `Engine.generate`."""
+        prefill-only request, the KV it holds). `arriving_kv`: see `Engine.generate`; the
+        request waits in the engine's queue, as LOADING_KV, while it comes."""
         if self._thread is None:
             raise EngineError("unavailable", "the engine is not running", retryable=True)
         rid = request.request_id
@@ -86,18 +87,21 @@ class AsyncEngine:
             grammar = (
                 await asyncio.to_thread(self.engine.compile_grammar, request) if request.guided else None
             )
-            arrived = None
-            if request.kv_transfer is not None and arrived_kv:
-                arrived = await asyncio.to_thread(self.engine.check_arrived, request.kv_transfer, arrived_kv)
             queue: asyncio.Queue[_Item] = asyncio.Queue()
             self._streams[rid] = queue
-            self.engine.add(request, grammar, arrived)
+            transfer = request.kv_transfer if arriving_kv is not None else None
+            self.engine.add(request, grammar, arriving=transfer is not None)
         except ValueError as exc:
             self._streams.pop(rid, None)
             raise EngineError("invalid_request", str(exc)) from exc
         self._wakeup.set()
         finished = False
         try:
+            if transfer is not None and arriving_kv is not None:
+                records = await arriving_kv
+                arrived = await asyncio.to_thread(self.engine.check_arrived, transfer, records)
+                self.engine.arrive(rid, arrived)
+                self._wakeup.set()
             while not finished:
                 items = [await queue.get()]
                 while not queue.empty():

@@ -114,16 +114,15 @@ class Engine:
         self,
         request: WorkerRequest,
         grammar: Grammar | None = None,
-        arrived: dict[int, Payload] | None = None,
+        arriving: bool = False,
     ) -> Sequence:
         """Queue a request; ValueError with a client-facing message if it is invalid.
-        `arrived`: the prompt blocks a prefill worker sent (`check_arrived`)."""
+        `arriving`: its prompt KV is on its way from a prefill worker (`arrive`)."""
         validate_request(request, self.vocab_size)
         if request.guided is not None and grammar is None:
             grammar = self.compile_grammar(request)
         with self.lock:
-            seq = self.scheduler.add(request)
-            seq.arrived = arrived or {}
+            seq = self.scheduler.add(request, arriving)
             if grammar is not None:
                 try:  # a migrated request's grammar resumes after the tokens it generated
                     self.guided.add(seq.request_id, grammar, request.generated_token_ids)
@@ -131,6 +130,11 @@ class Engine:
                     self.scheduler.abort(seq.request_id)
                     raise
         return seq
+
+    def arrive(self, request_id: str, arrived: dict[int, Payload]) -> None:
+        """An arriving request's prompt blocks (`check_arrived`): it runs from the next step."""
+        with self.lock:
+            self.scheduler.arrive(request_id, arrived)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Drop a request and free its blocks now; None if it is unknown or already finished."""

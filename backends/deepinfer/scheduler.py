@@ -8,7 +8,10 @@ yet in the current step. Preemption is by recompute: the victim's blocks are fre
 back to waiting with its tokens, and the prefix cache usually gives most of its KV back.
 
 Disaggregation: a prefill-only request finishes after its first token ("length") with its
-prompt's blocks held under its request id (`held`), until `release` drops them.
+prompt's blocks held under its request id (`held`), until `release` drops them. A decode
+request whose prompt KV is still on its way from the prefill worker is added `arriving`: it
+waits with the sequences whose KV a slow tier reads (`loading`, LOADING_KV), keeping its
+place in the queue, until `arrive` hands over what came.
 
 Speculative decoding (`num_speculative_tokens`): a decode step may carry draft tokens, from
 the n-gram proposer (ngram.py) or from the model's MTP layer (the runner's, left in
@@ -35,6 +38,7 @@ from backends.deepinfer.kv_cache_manager import Held, KVCacheManager
 from backends.deepinfer.ngram import NgramProposer
 from backends.deepinfer.outputs import SampledToken, ScheduledChunk, SchedulerOutput, SeqOutput
 from backends.deepinfer.sequence import Sequence, SequenceStatus
+from kvbm.records import Payload
 from kvbm.tiered import TieredStore
 from orchestrator.runtime.protocol import LoadReport, WorkerRequest
 
@@ -81,8 +85,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
 
-    def add(self, request: WorkerRequest) -> Sequence:
-        """Queue a request; ValueError (with a message for the client) if it can never run."""
+    def add(self, request: WorkerRequest, arriving: bool = False) -> Sequence:
+        """Queue a request; ValueError (with a message for the client) if it can never run.
+        `arriving`: its prompt KV is on its way (disaggregation); it runs after `arrive`."""
         self._validate(request)
         seq = Sequence(request)
         del seq.block_hashes[len(seq) // self.block_size :]  # only the prompt's full blocks
@@ -90,9 +95,21 @@ class Scheduler:
         key = (request.priority, self._arrivals)
         self._order[seq.request_id] = key
         self._seqs[seq.request_id] = seq
-        heapq.heappush(self.waiting, (*key, seq))
+        if arriving:
+            seq.status, seq.arriving = SequenceStatus.LOADING_KV, True
+            self.loading.append(seq)
+        else:
+            heapq.heappush(self.waiting, (*key, seq))
         self._waiting_tokens += len(seq)
         return seq
+
+    def arrive(self, request_id: str, arrived: dict[int, Payload]) -> None:
+        """An arriving sequence's KV is here (`arrived`: what came and checks out, possibly
+        nothing): from the next step it queues at its place with those blocks as prefix
+        hits. Unknown ids (aborted meanwhile) are a no-op."""
+        seq = self._seqs.get(request_id)
+        if seq is not None and seq.arriving:
+            seq.arrived, seq.arriving = arrived, False
 
     def abort(self, request_id: str) -> Sequence | None:
         """Drop a request wherever it is and free its blocks at once; None if unknown."""
@@ -219,7 +236,7 @@ class Scheduler:
         """Loading sequences whose read finished rejoin the queue at their original place."""
         still: list[Sequence] = []
         for seq in self.loading:
-            if seq.fetch.running:
+            if seq.fetch.running or seq.arriving:
                 still.append(seq)
             else:
                 seq.status = SequenceStatus.WAITING

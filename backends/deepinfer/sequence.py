@@ -11,7 +11,9 @@ from orchestrator.runtime.protocol import WorkerRequest
 
 class SequenceStatus(Enum):
     WAITING = auto()
-    LOADING_KV = auto()  # waiting, and a slow KV tier is reading its prefix (kvbm.Fetch)
+    # Waiting for its prefix KV: a slow KV tier is reading it (kvbm.Fetch), or a prefill
+    # worker's transfer is arriving (`arriving`).
+    LOADING_KV = auto()
     RUNNING = auto()
     FINISHED = auto()
 
@@ -24,6 +26,7 @@ class Sequence:
 
     __slots__ = (
         "arrived",
+        "arriving",
         "block_hashes",
         "block_table",
         "draft",
@@ -63,7 +66,9 @@ class Sequence:
         self.fetch = Fetch()
         # Disaggregation: the prompt blocks a prefill worker computed, by sequence hash, checked
         # against this engine's layout; taken as prefix hits when the sequence is admitted.
+        # `arriving` while they are on their way (Scheduler.add, Scheduler.arrive).
         self.arrived: dict[int, Payload] = {}
+        self.arriving = False
 
     def __len__(self) -> int:
         return len(self.token_ids)

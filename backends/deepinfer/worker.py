@@ -9,13 +9,12 @@ which does not import torch.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence as Seq
 
 from backends.deepinfer.args import add_deepinfer_arguments, deepinfer_config_from_args
 from backends.deepinfer.async_engine import AsyncEngine
 from backends.deepinfer.config import EngineConfig
 from backends.deepinfer.engine import Engine
-from orchestrator.runtime.engine import DeltaStream
+from orchestrator.runtime.engine import ArrivingKv, DeltaStream
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.protocol import (
     KvEventBatch,
@@ -75,10 +74,10 @@ class DeepInferWorker:
             if tiers is not None:
                 await asyncio.to_thread(tiers.close)  # the transfer thread finishes its queue
 
-    def generate(self, request: WorkerRequest, arrived_kv: Seq[bytes | memoryview] = ()) -> DeltaStream:
+    def generate(self, request: WorkerRequest, arriving_kv: ArrivingKv | None = None) -> DeltaStream:
         if self._async is None:
             raise EngineError("unavailable", "the DeepInfer worker has not been started", retryable=True)
-        return self._async.generate(request, arrived_kv)
+        return self._async.generate(request, arriving_kv)
 
     def read_transfer(self, transfer_id: str) -> list[bytes] | None:
         return self.engine.read_transfer(transfer_id)

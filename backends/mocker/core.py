@@ -99,11 +99,11 @@ class MockerCore:
 
     # ------------------------------------------------------------------ requests
 
-    def add(self, request: WorkerRequest, arrived: dict[int, Payload] | None = None) -> Sequence:
+    def add(self, request: WorkerRequest, arriving: bool = False) -> Sequence:
         """Queue a request and return its sequence; ValueError with a client-facing message if
-        it can never run. `arrived`: the prompt blocks a prefill worker sent (`check_arrived`)."""
-        seq = self.scheduler.add(request)
-        seq.arrived = arrived or {}
+        it can never run. `arriving`: its prompt KV is on its way from a prefill worker, and
+        it runs after `arrive`."""
+        seq = self.scheduler.add(request, arriving)
         seed = request.sampling.seed
         if seed is None:
             seed = xxhash.xxh3_64_intdigest(request.request_id.encode())
@@ -129,6 +129,10 @@ class MockerCore:
         sigma = config.output_length_sigma
         mu = math.log(mean) - sigma * sigma / 2  # so that the mean is `mean`
         return max(1, round(math.exp(mu + sigma * _STANDARD_NORMAL.inv_cdf(u))))
+
+    def arrive(self, request_id: str, arrived: dict[int, Payload]) -> None:
+        """An arriving request's prompt blocks (`check_arrived`): it runs from the next step."""
+        self.scheduler.arrive(request_id, arrived)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request and free its blocks; its final output, or None if unknown."""

@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator
-from collections.abc import Sequence as Seq
 
 from backends.deepinfer.sequence import Sequence
 from backends.mocker.config import MockerConfig
 from backends.mocker.core import MockerCore, RequestOutput
+from orchestrator.runtime.engine import ArrivingKv
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.protocol import (
     FinishReason,
@@ -115,23 +115,25 @@ class MockerEngine:
                 stream.push(final)
 
     async def generate(
-        self, request: WorkerRequest, arrived_kv: Seq[bytes | memoryview] = ()
+        self, request: WorkerRequest, arriving_kv: ArrivingKv | None = None
     ) -> AsyncGenerator[TokenDelta, None]:
         if self._task is None:
             raise EngineError("unavailable", "the mocker engine is not running", retryable=True)
-        arrived = None
-        if request.kv_transfer is not None and arrived_kv:
-            arrived = self.core.check_arrived(request.kv_transfer, arrived_kv)
-            # The KV's trip from the prefill worker, simulated: the other requests step meanwhile.
-            await asyncio.sleep(self.core.transfer_ms(len(arrived)) / (1000.0 * self.config.speedup))
+        transfer = request.kv_transfer if arriving_kv is not None else None
         try:
-            seq = self.core.add(request, arrived)
+            seq = self.core.add(request, arriving=transfer is not None)
         except ValueError as exc:
             raise EngineError("invalid_request", str(exc)) from None
         stream = self._streams[request.request_id] = _Stream(seq)
         self._wake.set()
         finished = False
         try:
+            if transfer is not None and arriving_kv is not None:
+                arrived = self.core.check_arrived(transfer, await arriving_kv)
+                # The KV's trip from the prefill worker, simulated: the other requests step meanwhile.
+                await asyncio.sleep(self.core.transfer_ms(len(arrived)) / (1000.0 * self.config.speedup))
+                self.core.arrive(request.request_id, arrived)
+                self._wake.set()
             while not finished:
                 delta = await stream.next()
                 finished = delta.finish_reason is not None
@@ -168,6 +170,12 @@ class MockerEngine:
                     deadline = loop.time()
                     continue
                 result = self.core.step()
+                if not result.outputs and not result.duration_ms:
+                    # Work exists but none can run (its KV is arriving): wait for a change.
+                    self._wake.clear()
+                    await self._wake.wait()
+                    deadline = loop.time()
+                    continue
                 # Sleep to a deadline, not for a duration, so timer lateness does not accumulate.
                 deadline = max(deadline + result.duration_ms * scale, loop.time() - 0.05)
                 await asyncio.sleep(deadline - loop.time())

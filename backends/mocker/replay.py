@@ -196,7 +196,9 @@ class OfflineReplay:
         arrived: dict[int, Payload] | None = None,
     ) -> None:
         try:
-            worker.core.add(work, arrived)
+            worker.core.add(work, arriving=arrived is not None)
+            if arrived is not None:
+                worker.core.arrive(work.request_id, arrived)
         except ValueError as exc:
             record.error = str(exc)
             self._prefilling.pop(work.request_id, None)

@@ -20,7 +20,7 @@ import logging
 import shutil
 import tempfile
 import threading
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ import sglang
 from backends.adapter import AggregatedAdapter, block_size_mismatch, model_eos_ids
 from backends.kv_events import KvMirror, ZmqKvEvents
 from backends.sglang.params import DeltaMaker, generate_kwargs
-from orchestrator.runtime.engine import DeltaStream
+from orchestrator.runtime.engine import ArrivingKv, DeltaStream
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.protocol import (
     LoadReport,
@@ -105,7 +105,7 @@ class SglangWorker(AggregatedAdapter):
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 
-    def generate(self, request: WorkerRequest, arrived_kv: Sequence[bytes | memoryview] = ()) -> DeltaStream:
+    def generate(self, request: WorkerRequest, arriving_kv: ArrivingKv | None = None) -> DeltaStream:
         return self._generate(request)
 
     async def _generate(self, request: WorkerRequest) -> AsyncGenerator[TokenDelta, None]:

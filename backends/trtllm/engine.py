@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from tensorrt_llm.sampling_params import GuidedDecodingParams
 from backends.adapter import AggregatedAdapter, block_size_mismatch, model_eos_ids, prompt_tokens
 from backends.kv_events import KvMirror
 from backends.trtllm.params import DeltaMaker, kv_fields, priority, sampling_kwargs
-from orchestrator.runtime.engine import DeltaStream
+from orchestrator.runtime.engine import ArrivingKv, DeltaStream
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.protocol import (
     LoadReport,
@@ -113,7 +113,7 @@ class TrtllmWorker(AggregatedAdapter):
             async for stat in llm.get_stats_async(timeout=_POLL_S):
                 self._stats = json.loads(stat) if isinstance(stat, str) else dict(stat)
 
-    def generate(self, request: WorkerRequest, arrived_kv: Sequence[bytes | memoryview] = ()) -> DeltaStream:
+    def generate(self, request: WorkerRequest, arriving_kv: ArrivingKv | None = None) -> DeltaStream:
         return self._generate(request)
 
     async def _generate(self, request: WorkerRequest) -> AsyncGenerator[TokenDelta, None]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Sequence
 from typing import get_args
 
 import msgspec
@@ -30,7 +29,7 @@ from orchestrator.cli.options import (
     setup_logging,
 )
 from orchestrator.runtime.discovery import make_discovery
-from orchestrator.runtime.engine import DeltaStream, Engine
+from orchestrator.runtime.engine import ArrivingKv, DeltaStream, Engine
 from orchestrator.runtime.events import make_event_plane
 from orchestrator.runtime.kv_fabric import FABRICS, KvFabric, make_fabric
 from orchestrator.runtime.protocol import KvEventBatch, KvSnapshot, LoadReport, ModelCard, Role, WorkerRequest
@@ -61,8 +60,8 @@ class WithRole:
     async def stop(self) -> None:
         await self.engine.stop()
 
-    def generate(self, request: WorkerRequest, arrived_kv: Sequence[bytes | memoryview] = ()) -> DeltaStream:
-        return self.engine.generate(request, arrived_kv)
+    def generate(self, request: WorkerRequest, arriving_kv: ArrivingKv | None = None) -> DeltaStream:
+        return self.engine.generate(request, arriving_kv)
 
     def read_transfer(self, transfer_id: str) -> list[bytes] | None:
         return self.engine.read_transfer(transfer_id)

@@ -7,7 +7,7 @@ its model card in discovery and publishes its KV events and load reports.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Protocol
 
 from orchestrator.runtime.protocol import (
@@ -18,6 +18,10 @@ from orchestrator.runtime.protocol import (
     TokenDelta,
     WorkerRequest,
 )
+
+# The records a decode worker's host pulls for a request with `kv_transfer` (kvbm records, in
+# `block_hashes` order, possibly fewer than asked: a pull that failed midway), once awaited.
+ArrivingKv = Awaitable[Sequence[bytes | memoryview]]
 
 
 class DeltaStream(Protocol):
@@ -44,16 +48,17 @@ class Engine(Protocol):
     async def stop(self) -> None:
         """Stop the loop; in-flight requests end with finish_reason 'abort'."""
 
-    def generate(self, request: WorkerRequest, arrived_kv: Sequence[bytes | memoryview] = ()) -> DeltaStream:
+    def generate(self, request: WorkerRequest, arriving_kv: ArrivingKv | None = None) -> DeltaStream:
         """Stream deltas for one request; the last has a finish_reason and usage. A request
         the engine rejects or cannot finish raises EngineError.
 
         Disaggregation: a `prefill_only` request ends after its first token, and its last delta
         carries a `KvTransfer` naming the blocks the engine now holds (until
-        `release_transfer`). `arrived_kv`, for a request with `kv_transfer`, is the records
-        its host pulled (kvbm records, in `block_hashes` order, possibly fewer than asked: a
-        pull that failed midway): the engine loads those of its layout that check out as
-        prefix hits and computes the rest."""
+        `release_transfer`). `arriving_kv`, for a request with `kv_transfer`, is the pull of
+        those blocks' records from the prefill worker, not started: an engine that can load
+        them queues the request as waiting for its KV, then awaits it, loads the records of
+        its layout that check out as prefix hits and computes the rest. One that cannot
+        leaves it unawaited, and no pull runs (its host closes it)."""
         ...
 
     def read_transfer(self, transfer_id: str) -> list[bytes] | None:

@@ -11,11 +11,14 @@ without the TCP hop.
 Disaggregation goes through `generate`, so in-process callers get it too. The last delta of
 a prefill-only request carries the engine's `KvTransfer`; the host fills in where to pull it
 (instance id, request-plane address, host id) and holds it for one pull or `kv_hold_s`
-(kv_transfer_server.py). A request with `kv_transfer` first pulls the records from that
-worker (shared memory on one host, else the host's `kv_fabric` when both workers run one,
-else TCP; the call always goes over the request plane with the host's own `PlaneSecurity`; at most
-`kv_pull_timeout_s`; cancelling the request stops the pull) and hands what arrived to
-`engine.generate(request, arrived_kv)`: the engine recomputes whatever is missing.
+(kv_transfer_server.py). A request with `kv_transfer` goes to
+`engine.generate(request, arriving_kv)` at once, with the pull of its records from that
+worker as `arriving_kv`, not started: the engine queues the request as waiting for its KV,
+runs the pull, loads what arrived and recomputes whatever is missing; an engine that cannot
+load KV never starts it, and the host closes it. The pull takes shared memory on one host,
+else the host's `kv_fabric` when both workers run one, else TCP; the call always goes over the
+request plane with the host's own `PlaneSecurity`; at most `kv_pull_timeout_s`; cancelling the
+request stops it.
 
 Every ~15 ms the host takes the engine's KV event batches and publishes them on
 `subject(ns, model, "kv")`, and publishes a LoadReport on `.load` when it changed or a second
@@ -37,7 +40,8 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Coroutine, Sequence
+from typing import Any
 
 import msgspec
 
@@ -206,19 +210,20 @@ class WorkerHost:
         self._idle.clear()
         outcome = "cancelled"
         stream: DeltaStream | None = None
+        arriving: Coroutine[Any, Any, list[bytes | memoryview]] | None = None
         try:
             if request.kv_transfer is None:
-                # Engines that predate disaggregation take no `arrived_kv`.
+                # Engines that predate disaggregation take no `arriving_kv`.
                 stream = self.engine.generate(request)
             else:
-                arrived = await pull_kv(
+                arriving = pull_kv(
                     self._kv_client,
                     request.kv_transfer,
                     self.kv_pull_timeout_s,
                     worker_id=self.instance_id,
                     fabric=self.kv_fabric,
                 )
-                stream = self.engine.generate(request, arrived)
+                stream = self.engine.generate(request, arriving)
             async for delta in stream:
                 if delta.kv_transfer is not None:
                     delta.kv_transfer = msgspec.structs.replace(
@@ -236,6 +241,8 @@ class WorkerHost:
         finally:
             if stream is not None:
                 await stream.aclose()
+            if arriving is not None:
+                arriving.close()  # an engine that cannot load KV never started the pull
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()

@@ -61,9 +61,10 @@ def disaggregated(
     if damage is not None:
         sent[damage] = sent[damage][:-1] + bytes([sent[damage][-1] ^ 0xFF])
     decode.add(
-        request("r", tokens, max_tokens, generated_token_ids=first, kv_transfer=transfer),
-        arrived=decode.check_arrived(transfer, sent),
+        request("r", tokens, max_tokens, generated_token_ids=first, kv_transfer=transfer), arriving=True
     )
+    assert decode.step() == [] and decode.last_step_tokens == 0  # nothing runs before its KV
+    decode.arrive("r", decode.check_arrived(transfer, sent))
     rest: list[int] = []
     computed: list[int] = []  # tokens each step ran: the first one is the prompt's uncached rest
     while decode.has_unfinished():

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from backends.deepinfer.config import EngineConfig
 from backends.deepinfer.outputs import SampledToken, SchedulerOutput
 from backends.deepinfer.scheduler import Scheduler
-from backends.deepinfer.sequence import Sequence
+from backends.deepinfer.sequence import Sequence, SequenceStatus
 from orchestrator.runtime.protocol import WorkerRequest
 
 BS = 4
@@ -250,3 +250,28 @@ def test_any_workload_finishes_within_limits(
         else:
             assert q.finish_reason == "length" and q.num_completion_tokens == q.request.max_tokens
     assert s.kv_cache.num_active_blocks == 0
+
+
+def test_a_request_whose_kv_is_arriving_waits_at_its_place_until_it_arrives() -> None:
+    """Disaggregation's decode side: the sequence is queued (and counted) while its prompt KV
+    travels, nothing of it runs, and once it arrives it goes before requests that came later."""
+    s = scheduler(budget=8, max_seqs=1)
+    a = s.add(request("a", prompt=8, max_tokens=1), arriving=True)
+    s.add(request("b", prompt=8, max_tokens=1))
+    s.add(request("c", prompt=8, max_tokens=1))
+    assert s.num_waiting == 3 and s.queued_prefill_tokens() == 24
+    assert [c.seq.request_id for c in step(s).chunks] == ["b"]
+    assert a.status is SequenceStatus.LOADING_KV
+    s.arrive("a", {})  # nothing came through: it computes its prompt
+    assert [c.seq.request_id for c in step(s).chunks] == ["a"]
+    assert [c.seq.request_id for c in step(s).chunks] == ["c"]
+    assert not s.has_unfinished() and s.queued_prefill_tokens() == 0
+
+
+def test_a_request_aborted_while_its_kv_is_arriving_leaves_nothing() -> None:
+    s = scheduler()
+    s.add(request("a", prompt=8), arriving=True)
+    assert s.abort("a") is not None
+    s.arrive("a", {})  # the pull's end, after the abort: a no-op
+    assert not s.has_unfinished() and s.num_waiting == 0 and s.queued_prefill_tokens() == 0
+    assert step(s).is_empty

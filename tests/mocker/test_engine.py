@@ -190,7 +190,18 @@ async def test_a_prefill_then_a_decode_elsewhere_continue_one_stream() -> None:
         follow = msgspec.structs.replace(
             request("w", prompt=300, max_tokens=6), generated_token_ids=whole[:1], kv_transfer=transfer
         )
-        rest = await collect(decode.generate(follow, sent))
+        here = asyncio.Event()
+
+        async def arriving() -> list[bytes]:
+            await here.wait()
+            return sent
+
+        # While its KV travels, the request waits in the engine (LOADING_KV), counted in its load.
+        decoding = asyncio.create_task(collect(decode.generate(follow, arriving())))
+        await eventually(lambda: decode.load().waiting_requests == 1)
+        assert decode.load().active_requests == 0
+        here.set()
+        rest = await decoding
         assert whole[:1] + [t for d in rest for t in d.token_ids] == whole
         # The prompt's full blocks came from the prefill into the decode's cache (the partial one
         # is loaded too, uncached while it fills; the prompt's own cache hits are the prefill's

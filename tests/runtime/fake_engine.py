@@ -4,8 +4,9 @@ happened (started, stopped, cancelled requests, KV transfers). Real engines live
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
+from orchestrator.runtime.engine import ArrivingKv
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.hashing import block_hashes
 from orchestrator.runtime.protocol import (
@@ -34,7 +35,8 @@ class FakeEngine:
 
     Disaggregation: a `prefill_only` request streams one token and offers a transfer of
     `fake_record`s of `record_bytes`, one per full prompt block (none for a prompt under one
-    block), held until released. A request with `kv_transfer` records its `arrived_kv`."""
+    block), held until released. A request with `kv_transfer` awaits its `arriving_kv` and
+    records what came."""
 
     def __init__(
         self,
@@ -68,12 +70,12 @@ class FakeEngine:
         self.stopped = True
 
     async def generate(
-        self, request: WorkerRequest, arrived_kv: Sequence[bytes | memoryview] = ()
+        self, request: WorkerRequest, arriving_kv: ArrivingKv | None = None
     ) -> AsyncIterator[TokenDelta]:
         if not request.token_ids:
             raise EngineError("invalid_request", "empty prompt")
-        if request.kv_transfer is not None:
-            self.arrived[request.request_id] = list(arrived_kv)
+        if request.kv_transfer is not None and arriving_kv is not None:
+            self.arrived[request.request_id] = list(await arriving_kv)
         self.active.add(request.request_id)
         self._store(request.token_ids[0])
         max_tokens = 1 if request.prefill_only else request.max_tokens

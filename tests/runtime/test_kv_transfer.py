@@ -21,6 +21,7 @@ from prometheus_client import REGISTRY
 
 from orchestrator.runtime import kv_transfer_server
 from orchestrator.runtime.discovery import Discovery
+from orchestrator.runtime.engine import ArrivingKv
 from orchestrator.runtime.errors import EngineError
 from orchestrator.runtime.events import EventPlane
 from orchestrator.runtime.hashing import block_hashes
@@ -170,6 +171,32 @@ async def test_in_process_hosts_pull_through_generate(planes: tuple[Discovery, E
         await collect(d.generate(decode_request(transfer)))
         assert isinstance(d.engine, FakeEngine)
         assert "plain" not in d.engine.arrived and d.engine.arrived["d"] == expected_records(256)
+    finally:
+        await d.stop()
+        await p.stop()
+
+
+class Recomputing(FakeEngine):
+    """An engine that cannot load KV, as the vLLM, SGLang and TensorRT-LLM adapters: it never
+    awaits `arriving_kv`."""
+
+    def generate(
+        self, request: WorkerRequest, arriving_kv: ArrivingKv | None = None
+    ) -> AsyncIterator[TokenDelta]:
+        return super().generate(request)
+
+
+async def test_an_engine_that_cannot_load_kv_starts_no_pull(planes: tuple[Discovery, EventPlane]) -> None:
+    p, d = await started(planes, "p-unloaded"), await started(planes, "d-unloaded", Recomputing())
+    try:
+        transfer = await prefill(p)
+        deltas = await collect(d.generate(decode_request(transfer)))
+        assert deltas[-1].finish_reason == "length"
+        assert p.kv.holds(transfer.transfer_id)  # nobody asked for it: it waits for its expiry
+        assert (
+            metric("weir_worker_kv_transfers_total", worker=d.instance_id, direction="pulled", outcome="ok")
+            == 0
+        )
     finally:
         await d.stop()
         await p.stop()

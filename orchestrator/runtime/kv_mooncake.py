@@ -40,12 +40,17 @@ class _Arena:
     def __init__(self, memory: np.ndarray) -> None:
         self.memory = memory
         self.address = int(memory.ctypes.data)
-        self._lock = threading.Lock()  # pieces come back from whichever thread drops them
+        self._lock = threading.Lock()
         self._free: list[tuple[int, int]] = [(0, memory.size)]  # (offset, size), by offset
+        # Pieces come back from whichever thread drops their last view, garbage collection
+        # included, which may run inside `take` itself: a finalizer only queues the piece
+        # (deque.append is atomic), and the next `take` merges it in under the lock.
+        self._returned: deque[tuple[int, int]] = deque()
 
     def take(self, size: int) -> np.ndarray | None:
         size = -(-size // _ALIGN) * _ALIGN
         with self._lock:
+            self._merge_returned()
             for i, (offset, room) in enumerate(self._free):
                 if room >= size:
                     self._free[i : i + 1] = [(offset + size, room - size)] if room > size else []
@@ -53,11 +58,18 @@ class _Arena:
             else:
                 return None
         piece = self.memory[offset : offset + size]
-        weakref.finalize(piece, self._give_back, offset, size)
+        weakref.finalize(piece, self._returned.append, (offset, size))
         return piece
 
-    def _give_back(self, offset: int, size: int) -> None:
+    @property
+    def free_bytes(self) -> int:
         with self._lock:
+            self._merge_returned()
+            return sum(size for _, size in self._free)
+
+    def _merge_returned(self) -> None:
+        while self._returned:
+            offset, size = self._returned.popleft()
             i = bisect.bisect(self._free, (offset, size))
             self._free.insert(i, (offset, size))
             if i + 1 < len(self._free) and offset + size == self._free[i + 1][0]:
@@ -66,11 +78,6 @@ class _Arena:
             if i and self._free[i - 1][0] + self._free[i - 1][1] == offset:
                 previous = self._free.pop(i - 1)
                 self._free[i - 1] = (previous[0], previous[1] + size)
-
-    @property
-    def free_bytes(self) -> int:
-        with self._lock:
-            return sum(size for _, size in self._free)
 
 
 class _Buffer:

@@ -142,12 +142,14 @@ class MockerEngine:
             del self._streams[request.request_id]
             if not finished:  # the caller went away: free the blocks now
                 self.core.abort(request.request_id)
+                self._wake.set()
 
     def read_transfer(self, transfer_id: str) -> list[bytes] | None:
         return self.core.read_transfer(transfer_id)
 
     def release_transfer(self, transfer_id: str) -> None:
         self.core.release_transfer(transfer_id)
+        self._wake.set()  # a request waiting for blocks may fit now
 
     def load(self) -> LoadReport:
         return self.core.load()
@@ -171,7 +173,9 @@ class MockerEngine:
                     continue
                 result = self.core.step()
                 if not result.outputs and not result.duration_ms:
-                    # Work exists but none can run (its KV is arriving): wait for a change.
+                    # Work exists but none can run (its KV is arriving, or the blocks it needs
+                    # are held for a transfer): wait for a change (an arrival, a release, an
+                    # abort or a new request sets _wake).
                     self._wake.clear()
                     await self._wake.wait()
                     deadline = loop.time()

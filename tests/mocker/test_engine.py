@@ -214,3 +214,22 @@ async def test_a_prefill_then_a_decode_elsewhere_continue_one_stream() -> None:
     finally:
         for eng in (whole_engine, prefill, decode):
             await eng.stop()
+
+
+async def test_a_request_waiting_for_blocks_held_for_a_transfer_runs_once_they_are_released() -> None:
+    """Nothing can run while a transfer's hold keeps the blocks a request needs: the engine
+    waits for a change rather than spinning, and the release is one."""
+    eng = MockerEngine(MockerConfig(model_name="mock-h", num_blocks=8, speedup=FAST))
+    await eng.start()
+    try:
+        held = msgspec.structs.replace(request("held", prompt=300, max_tokens=2), prefill_only=True)
+        await collect(eng.generate(held))  # 5 of the 8 blocks held for its transfer
+        other = msgspec.structs.replace(request("next", prompt=300, max_tokens=2), token_ids=list(range(300)))
+        waiting = asyncio.create_task(collect(eng.generate(other)))  # no prefix shared: 5 blocks
+        await eventually(lambda: eng.load().waiting_requests == 1)
+        assert not waiting.done()
+        eng.release_transfer("held")
+        deltas = await asyncio.wait_for(waiting, 10)
+        assert deltas[-1].finish_reason == "length"
+    finally:
+        await eng.stop()

@@ -248,23 +248,35 @@ async def test_an_unclaimed_segment_is_removed_at_expiry(planes: tuple[Discovery
         await p.stop()
 
 
+# A prefill worker that sends two of four records, then waits to be SIGKILLed mid-transfer:
+# inline over TCP, or written through a fabric (the caller's buffer named in its call).
 KILLED_WORKER = """
-import asyncio, sys
-from orchestrator.runtime.kv_transfer import INLINE
+import asyncio, msgspec
+from orchestrator.runtime.kv_fabric import make_fabric
+from orchestrator.runtime.kv_transfer import INLINE, KvBlocksCall, KvPushed
 from orchestrator.runtime.request_plane import KV_BLOCKS, RequestPlaneServer
 from tests.runtime.fake_engine import fake_record
 
+TRANSPORT = {transport!r}
+fabric = make_fabric("mooncake", "127.0.0.1") if TRANSPORT == "mooncake" else None
+
 async def kv_blocks(payload):
-    yield INLINE
-    yield fake_record(1, 4096)
-    yield fake_record(2, 4096)
+    records = [fake_record(1, 4096), fake_record(2, 4096)]
+    if fabric is None:
+        yield INLINE
+        for record in records:
+            yield record
+    else:
+        call = msgspec.msgpack.decode(payload, type=KvBlocksCall)
+        await asyncio.to_thread(fabric.write, call.fabric, records, call.buffer)
+        yield msgspec.msgpack.encode(KvPushed(0, [4096, 4096]))
     await asyncio.sleep(0)  # the frame is flushed on the next loop iteration
     await asyncio.sleep(0)
     print("sent", flush=True)
     await asyncio.Event().wait()  # SIGKILLed here, mid-transfer
 
 async def main():
-    server = RequestPlaneServer({KV_BLOCKS: kv_blocks})
+    server = RequestPlaneServer({{KV_BLOCKS: kv_blocks}})
     print(await server.start("127.0.0.1", 0), flush=True)
     await asyncio.Event().wait()
 
@@ -272,25 +284,28 @@ asyncio.run(main())
 """
 
 
-async def test_a_prefill_worker_killed_mid_transfer_leaves_the_prefix_that_arrived() -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", KILLED_WORKER], cwd=REPO, stdout=subprocess.PIPE, text=True
-    )
+@pytest.mark.parametrize("transport", ["tcp", "mooncake"])
+async def test_a_prefill_worker_killed_mid_transfer_leaves_the_prefix_that_arrived(
+    transport: str, request: pytest.FixtureRequest
+) -> None:
+    fabric: KvFabric | None = request.getfixturevalue("fabrics")[1] if transport == "mooncake" else None
+    script = KILLED_WORKER.format(transport=transport)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
     client = RequestPlaneClient()
+    worker = f"killed-{transport}"
     try:
         assert proc.stdout is not None
         port = int(await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30))
         transfer = KvTransfer(
             transfer_id="t", address=f"127.0.0.1:{port}", block_hashes=[1, 2, 3, 4], block_bytes=4096
         )
-        pull = asyncio.create_task(pull_kv(client, transfer, 30, worker_id="killed"))
+        pull = asyncio.create_task(pull_kv(client, transfer, 30, worker_id=worker, fabric=fabric))
         assert await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30) == "sent\n"
         os.kill(proc.pid, signal.SIGKILL)
         assert await asyncio.wait_for(pull, 10) == [fake_record(1, 4096), fake_record(2, 4096)]
-        assert (
-            metric("weir_worker_kv_transfers_total", worker="killed", direction="pulled", outcome="partial")
-            == 1
-        )
+        labels = {"worker": worker, "direction": "pulled"}
+        assert metric("weir_worker_kv_transfers_total", **labels, outcome="partial") == 1
+        assert metric("weir_worker_kv_transfer_bytes_total", **labels, transport=transport) == 8192
     finally:
         proc.kill()
         proc.wait()
@@ -608,57 +623,3 @@ async def test_a_pull_larger_than_the_arena_gets_memory_of_its_own(
     finally:
         await d.stop()
         await p.stop()
-
-
-KILLED_MID_PUSH = """
-import asyncio, msgspec
-from orchestrator.runtime.kv_fabric import make_fabric
-from orchestrator.runtime.kv_transfer import KvBlocksCall, KvPushed
-from orchestrator.runtime.request_plane import KV_BLOCKS, RequestPlaneServer
-from tests.runtime.fake_engine import fake_record
-
-fabric = make_fabric("mooncake", "127.0.0.1")
-
-async def kv_blocks(payload):
-    call = msgspec.msgpack.decode(payload, type=KvBlocksCall)
-    records = [fake_record(1, 4096), fake_record(2, 4096)]
-    await asyncio.to_thread(fabric.write, call.fabric, records, call.buffer)
-    yield msgspec.msgpack.encode(KvPushed(0, [4096, 4096]))
-    await asyncio.sleep(0)  # the frame is flushed on the next loop iteration
-    await asyncio.sleep(0)
-    print("pushed", flush=True)
-    await asyncio.Event().wait()  # SIGKILLed here, mid-transfer
-
-async def main():
-    server = RequestPlaneServer({KV_BLOCKS: kv_blocks})
-    print(await server.start("127.0.0.1", 0), flush=True)
-    await asyncio.Event().wait()
-
-asyncio.run(main())
-"""
-
-
-async def test_a_prefill_worker_killed_mid_push_leaves_the_prefix_that_arrived(
-    fabrics: tuple[KvFabric, KvFabric],
-) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", KILLED_MID_PUSH], cwd=REPO, stdout=subprocess.PIPE, text=True
-    )
-    client = RequestPlaneClient()
-    try:
-        assert proc.stdout is not None
-        port = int(await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30))
-        transfer = KvTransfer(
-            transfer_id="t", address=f"127.0.0.1:{port}", block_hashes=[1, 2, 3, 4], block_bytes=4096
-        )
-        pull = asyncio.create_task(pull_kv(client, transfer, 30, worker_id="killed-push", fabric=fabrics[1]))
-        assert await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30) == "pushed\n"
-        os.kill(proc.pid, signal.SIGKILL)
-        assert await asyncio.wait_for(pull, 10) == [fake_record(1, 4096), fake_record(2, 4096)]
-        labels = {"worker": "killed-push", "direction": "pulled"}
-        assert metric("weir_worker_kv_transfers_total", **labels, outcome="partial") == 1
-        assert metric("weir_worker_kv_transfer_bytes_total", **labels, transport="mooncake") == 8192
-    finally:
-        proc.kill()
-        proc.wait()
-        await client.close()

@@ -161,19 +161,16 @@ async def receiver(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             if fabric is None:
                 seconds["memcpy"] = await timed(copy, args.repeats)
                 seconds["shm"] = await timed(lambda: pull(True), args.repeats)
+                pairs = [("shm", "memcpy"), ("tcp", "raw_socket")]
+            else:
+                pairs = [("tcp", "raw_socket"), (fabric.name, "raw_socket"), (fabric.name, "tcp")]
             seconds["raw_socket"] = await timed(raw, args.repeats)
             seconds["tcp"] = await timed(lambda: pull(False), args.repeats)
             if fabric is not None:
                 seconds[fabric.name] = await timed(lambda: pull(False, fabric), args.repeats)
             figures = {f"{name}_gbps": round(total / t / 1e9, 2) for name, t in seconds.items()}
-            if fabric is None:
-                figures["shm_vs_memcpy"] = round(seconds["memcpy"] / seconds["shm"], 3)
-            figures["tcp_vs_raw_socket"] = round(seconds["raw_socket"] / seconds["tcp"], 3)
-            if fabric is not None:
-                figures[f"{fabric.name}_vs_raw_socket"] = round(
-                    seconds["raw_socket"] / seconds[fabric.name], 3
-                )
-                figures[f"{fabric.name}_vs_tcp"] = round(seconds["tcp"] / seconds[fabric.name], 3)
+            for path, limit in pairs:
+                figures[f"{path}_vs_{limit}"] = round(seconds[limit] / seconds[path], 3)
             results[f"{args.blocks}x{size // 1024}KiB"] = figures
             print(
                 f"{args.blocks} x {size // 1024:>5} KiB: " + ", ".join(f"{k} {v}" for k, v in figures.items())
@@ -203,11 +200,9 @@ def main() -> None:
         run(sender(args.blocks, [kib * 1024 for kib in args.size_kib], args.offers, fabric))
         return
     results = run(receiver(args))
-    ratios = ["shm_vs_memcpy", "tcp_vs_raw_socket", "mooncake_vs_raw_socket", "mooncake_vs_tcp"]
+    first = next(iter(results.values()))
     summary: dict[str, object] = {
-        ratio: min(r[ratio] for r in results.values())
-        for ratio in ratios
-        if ratio in results[next(iter(results))]
+        ratio: min(r[ratio] for r in results.values()) for ratio in first if "_vs_" in ratio
     }
     summary["sizes"] = results
     print(json.dumps(summary))

@@ -17,13 +17,18 @@ from backends.deepinfer.engine import Engine
 from kvbm import records
 from orchestrator.runtime.hashing import prompt_block_names, tail_hash
 from orchestrator.runtime.protocol import KvTransfer, SamplingOptions, WorkerRequest
+from tests.deepinfer.device import DEVICE, DTYPE
 
 BLOCK = 16
 GREEDY = SamplingOptions(temperature=0.0)
 
 
 def make_engine(model_dir: Path, **kw: object) -> Engine:
-    return Engine(EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=64, block_size=BLOCK, **kw))  # type: ignore[arg-type]
+    return Engine(
+        EngineConfig(
+            model=str(model_dir), device=DEVICE, dtype=DTYPE, num_kv_blocks=64, block_size=BLOCK, **kw
+        )
+    )  # type: ignore[arg-type]
 
 
 def run(engine: Engine, request: WorkerRequest) -> list[int]:

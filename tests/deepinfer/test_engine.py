@@ -16,12 +16,15 @@ from backends.deepinfer.config import EngineConfig
 from backends.deepinfer.engine import Engine
 from backends.deepinfer.outputs import SeqOutput
 from orchestrator.runtime.protocol import GuidedSpec, SamplingOptions, WorkerRequest
+from tests.deepinfer.device import DEVICE, DTYPE
 
 GREEDY = SamplingOptions(temperature=0.0)
 
 
 def make_engine(model_dir: Path, **overrides: Any) -> Engine:
-    return Engine(EngineConfig(model=str(model_dir), device="cpu", **{"num_kv_blocks": 128, **overrides}))
+    return Engine(
+        EngineConfig(model=str(model_dir), device=DEVICE, dtype=DTYPE, **{"num_kv_blocks": 128, **overrides})
+    )
 
 
 def prompt(rng: random.Random, n: int) -> list[int]:

@@ -23,6 +23,7 @@ from backends.deepinfer.model_runner import ModelRunner
 from backends.deepinfer.outputs import BlockLoad, ScheduledChunk, SchedulerOutput
 from backends.deepinfer.sequence import Sequence
 from orchestrator.runtime.protocol import SamplingOptions, WorkerRequest
+from tests.deepinfer.device import DEVICE, DTYPE
 
 BLOCK_SIZE = 4
 
@@ -95,7 +96,9 @@ def test_forward_waits_per_layer_and_matches_blocks_written_first(
     the blocks written before the forward."""
     model_dir = tiny_llama_dir if arch == "llama" else tiny_deepseek_dir
     runner = ModelRunner(
-        EngineConfig(model=str(model_dir), device="cpu", block_size=BLOCK_SIZE, num_kv_blocks=16)
+        EngineConfig(
+            model=str(model_dir), device=DEVICE, dtype=DTYPE, block_size=BLOCK_SIZE, num_kv_blocks=16
+        )
     )
     rng = random.Random(0)
     tokens = [rng.randrange(3, 500) for _ in range(17)]

@@ -21,6 +21,7 @@ from backends.deepinfer.kv_cache import PagedKVCache
 from backends.deepinfer.model_runner import ModelRunner
 from backends.deepinfer.outputs import SchedulerOutput
 from orchestrator.runtime.protocol import SamplingOptions, WorkerRequest
+from tests.deepinfer.device import DEVICE, DTYPE
 
 NUM_BLOCKS, BLOCK_SIZE = 8, 4
 
@@ -111,7 +112,9 @@ def test_bad_writes_raise_before_writing_anything() -> None:
 def test_runner_cache_covers_every_layer(arch: str, tiny_llama_dir: Path, tiny_deepseek_dir: Path) -> None:
     model_dir = tiny_llama_dir if arch == "llama" else tiny_deepseek_dir
     runner = ModelRunner(
-        EngineConfig(model=str(model_dir), device="cpu", block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS)
+        EngineConfig(
+            model=str(model_dir), device=DEVICE, dtype=DTYPE, block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS
+        )
     )
     cache = runner.kv_cache
     layers = runner.hf_config.num_hidden_layers
@@ -137,7 +140,9 @@ def generate(
     """Greedy generation of a 4.5-block prompt; after the prefill step (the prompt's KV is then
     in the cache, and the first decode step reads it back from there) `tamper` gets the cache
     and the prompt's blocks. Returns the generated tokens and every later step's logits."""
-    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", block_size=8, num_kv_blocks=32))
+    engine = Engine(
+        EngineConfig(model=str(model_dir), device=DEVICE, dtype=DTYPE, block_size=8, num_kv_blocks=32)
+    )
     rng = random.Random(0)
     tokens = [rng.randrange(3, 500) for _ in range(36)]
     seq = engine.add(

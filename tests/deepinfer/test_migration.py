@@ -14,12 +14,15 @@ from backends.deepinfer.config import EngineConfig
 from backends.deepinfer.engine import Engine
 from backends.deepinfer.outputs import SeqOutput
 from orchestrator.runtime.protocol import GuidedSpec, SamplingOptions, WorkerRequest
+from tests.deepinfer.device import DEVICE, DTYPE
 
 CUT = 7
 
 
 def make_engine(model_dir: Path) -> Engine:
-    return Engine(EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=128, block_size=16))
+    return Engine(
+        EngineConfig(model=str(model_dir), device=DEVICE, dtype=DTYPE, num_kv_blocks=128, block_size=16)
+    )
 
 
 def run(engine: Engine, req: WorkerRequest) -> tuple[list[int], list[float], SeqOutput]:

@@ -23,6 +23,7 @@ from backends.deepinfer.outputs import ScheduledChunk, SchedulerOutput
 from backends.deepinfer.sequence import Sequence
 from backends.deepinfer.tiny import Arch, build_checkpoint
 from orchestrator.runtime.protocol import WorkerRequest
+from tests.deepinfer.device import DEVICE, DTYPE
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,7 +46,13 @@ class Blocks:
 
 
 def make_runner(model_dir: Path, **overrides: Any) -> ModelRunner:
-    fields: dict[str, Any] = {"model": str(model_dir), "block_size": BLOCK_SIZE, "num_kv_blocks": 512}
+    fields: dict[str, Any] = {
+        "model": str(model_dir),
+        "block_size": BLOCK_SIZE,
+        "num_kv_blocks": 512,
+        "device": DEVICE,
+        "dtype": DTYPE,
+    }
     fields.update(overrides)
     return ModelRunner(EngineConfig(**fields))
 
@@ -75,7 +82,7 @@ def step(runner: ModelRunner, blocks: Blocks, chunks: list[tuple[Sequence, int, 
         blocks.ensure(seq, start + num)
     return runner.execute(
         SchedulerOutput([ScheduledChunk(s, start, n, sample) for s, start, n, sample in chunks])
-    )
+    ).cpu()  # the references are on the CPU (a no-op there)
 
 
 def greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
@@ -327,13 +334,13 @@ def test_cpu_linear_layers_multiply_by_onednn_as_f_linear_does(
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch build has no oneDNN")
-    qwen2 = make_runner(tiny_qwen2_dir).model  # tied embeddings
+    qwen2 = make_runner(tiny_qwen2_dir, device="cpu").model  # tied embeddings
     linears = [m for m in qwen2.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed is not None and m.weight.numel() == 0 for m in linears)
     head = qwen2.lm_head
     assert isinstance(head, LMHead) and head.packed is not None
     assert head.weight is qwen2.model.embed_tokens.weight and head.weight.numel() > 0
-    mla = make_runner(tiny_deepseek_dir).model.model.layers[0].self_attn
+    mla = make_runner(tiny_deepseek_dir, device="cpu").model.model.layers[0].self_attn
     assert mla.kv_b_proj.packed is None and mla.kv_b_proj.weight.numel() > 0
     assert mla.o_proj.packed is not None
     weight, bias = torch.randn(96, 64), torch.randn(96)

@@ -1,7 +1,11 @@
 """DeepInfer output throughput against Hugging Face `generate` and vLLM (when given).
 
-Models: a tiny random Llama (hidden 256, 4 layers, fp32, built here by `tiny.py`) and the
-default SmolLM2-135M-Instruct. Workloads, all greedy with ignore_eos so every engine emits
+Models: a tiny random Llama (hidden 256, 4 layers, built here by `tiny.py`), the default
+SmolLM2-135M-Instruct, and `smollm2-shape`: random weights in SmolLM2-135M's shape (30 layers,
+hidden 576, 9 query and 3 KV heads, 49,152-token vocabulary), for a machine the 89 MiB package
+cannot reach (a GPU machine lent without network). Float32 on the CPU; `--device cuda` runs
+DeepInfer and HF there in bfloat16 (vLLM is then not run: its CPU build is what this compares).
+Workloads, all greedy with ignore_eos so every engine emits
 exactly the requested tokens:
 
 - `batch32`: 32 requests of 128 prompt tokens -> 128 output tokens, all arriving at once;
@@ -27,6 +31,7 @@ offline `LLM.generate` on the same token ids (greedy, ignore_eos). Without `--vl
     python benchmarks/engine_throughput.py --models tiny --vllm-python /work/vllm-venv/bin/python
     python benchmarks/engine_throughput.py --models smollm2 --threads 1 --workloads batch32 --rounds 3 \
         --vllm-python /work/vllm-venv/bin/python
+    python benchmarks/engine_throughput.py --models smollm2-shape --device cuda   # on a GPU
 
 Decode at batch 32, against the machine's matmul speed: `decode` per model gives each
 engine's decode tok/s on `batch32` (32 / TPOT: every row decodes in every step), and
@@ -145,8 +150,10 @@ def run_deepinfer(engine: Engine, jobs: list[Job], tag: str) -> Figures:
 def run_hf(model: Any, jobs: list[Job], pad_id: int) -> Figures:
     """One static batch: left-padded prompts, every row decoded to the longest output."""
     width = max(len(j.prompt) for j in jobs)
-    ids = torch.tensor([[pad_id] * (width - len(j.prompt)) + j.prompt for j in jobs])
-    mask = torch.tensor([[0] * (width - len(j.prompt)) + [1] * len(j.prompt) for j in jobs])
+    ids = torch.tensor([[pad_id] * (width - len(j.prompt)) + j.prompt for j in jobs], device=model.device)
+    mask = torch.tensor(
+        [[0] * (width - len(j.prompt)) + [1] * len(j.prompt) for j in jobs], device=model.device
+    )
     steps = max(j.max_tokens for j in jobs)
 
     def generate(n: int) -> float:
@@ -160,6 +167,7 @@ def run_hf(model: Any, jobs: list[Job], pad_id: int) -> Figures:
                 do_sample=False,
                 pad_token_id=pad_id,
             )
+        _synchronize(model.device)
         return time.perf_counter() - started
 
     ttft = generate(1)
@@ -220,13 +228,36 @@ def model_dirs(names: list[str], scratch: Path) -> dict[str, Path]:
         from backends.deepinfer.smollm2 import ensure_default_model
 
         dirs["smollm2"] = ensure_default_model()
+    if "smollm2-shape" in names:
+        from backends.deepinfer.tiny import build_checkpoint
+
+        dirs["smollm2-shape"] = build_checkpoint(
+            scratch / "smollm2-shape",
+            "llama",
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=64,
+            max_position_embeddings=8192,
+            rope_theta=100000.0,
+            tie_word_embeddings=True,
+        )
     return dirs
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def sgemm_step_s(engine: Engine, rows: int = 32, repeats: int = 10) -> float:
     """Seconds for `rows` rows through a weight of the shape of every linear layer of the model
     (a decode step's matrix products, its head included) by `F.linear` (MKL sgemm), median of
-    `repeats`; plain float32 weights of those shapes, as many as the model holds."""
+    `repeats`; plain weights of those shapes in the engine's dtype and device, as many as the
+    model holds (on a GPU that is cuBLAS's rate, not MKL's)."""
     from backends.deepinfer.layers.embed import LMHead
     from backends.deepinfer.layers.linear import Linear
 
@@ -235,14 +266,17 @@ def sgemm_step_s(engine: Engine, rows: int = 32, repeats: int = 10) -> float:
     shapes += [(model.config.vocab_size, model.config.hidden_size)] * sum(
         isinstance(m, LMHead) for m in model.modules()
     )
-    weights = [torch.randn(out, inp) for out, inp in shapes]
-    inputs = {inp: torch.randn(rows, inp) for _, inp in shapes}
+    param = next(model.parameters())
+    like = {"device": param.device, "dtype": param.dtype}
+    weights = [torch.randn(out, inp, **like) for out, inp in shapes]
+    inputs = {inp: torch.randn(rows, inp, **like) for _, inp in shapes}
     times: list[float] = []
     with torch.inference_mode():
         for _ in range(repeats + 1):
             started = time.perf_counter()
             for w in weights:
                 F.linear(inputs[w.shape[1]], w)
+            _synchronize(like["device"])
             times.append(time.perf_counter() - started)
     return statistics.median(times[1:])
 
@@ -271,18 +305,19 @@ def bench_model(
     wanted = {"batch32", *args.workloads.split(",")}
     every = workloads(config["vocab_size"], args.seed)
     jobs = {name: batch for name, batch in every.items() if name in wanted}
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     engine = Engine(
         EngineConfig(
             model=str(model_dir),
-            device="cpu",
-            dtype="float32",
+            device=args.device,
+            dtype=str(dtype).removeprefix("torch."),  # type: ignore[arg-type]
             kv_cache_memory_gb=args.kv_gb,
             max_num_seqs=64,
             # Rounds repeat the same prompts; vLLM starts cold each time, so DeepInfer must too.
             enable_prefix_caching=False,
         )
     )
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
     pad_id = int(config.get("pad_token_id") or 0)
     run_deepinfer(engine, [Job(jobs["batch32"][0].prompt[:32], 8)], "warmup")
     run_hf(hf, [Job(jobs["batch32"][0].prompt[:32], 2)], pad_id)
@@ -341,7 +376,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--models", default="tiny,smollm2", help="comma list of tiny, smollm2")
+    parser.add_argument("--models", default="tiny,smollm2", help="comma list of tiny, smollm2, smollm2-shape")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (bfloat16; vLLM is not run)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--kv-gb", type=float, default=1.0, help="DeepInfer KV cache size")
     parser.add_argument("--seed", type=int, default=0)
@@ -357,7 +393,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu; load average {_load()}")
+    if args.device != "cpu":
+        args.vllm_python = None
+    where = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {where}; load average {_load()}")
     print(
         f"{'model':8} {'workload':8} {'engine':10} {'tok/s':>10} {'TTFT ms':>10} {'TPOT ms':>9} {'wall s':>8}"
     )
@@ -376,6 +415,7 @@ def main() -> None:
         "ratio_vs_vllm": ratio(batch["deepinfer"], batch["vllm"]),
         "mixed_ratio_vs_hf": ratio(mixed["deepinfer"], mixed["hf"]) if mixed else None,
         "threads": torch.get_num_threads(),
+        "device": where,
         "load_average": _load(),
         "results": results,
         "decode": {name: d for name, (_, d) in measured.items()},

@@ -12,6 +12,12 @@ Copies are batched: reading gathers the requested blocks of each tensor with one
 assembles the payloads in one host buffer and scatters each tensor's part with one
 `index_copy_`, a layer at a time on a loader thread, so that the forward pass can start
 before the last layer's blocks are in (`kv_arrival`). Per-block Python work is only slicing.
+
+On CUDA the host buffer is pinned (page-locked) and takes whole payloads; one copy moves them
+to the device, where the GPU scatters each tensor's part, all on a stream of the loader's own
+whose events the forward's stream waits on, layer by layer (`kv_arrival`). That stream first
+waits for what the compute stream had queued when the write started: the blocks written may
+have been freed by a step whose kernels are still running.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from itertools import accumulate
 
 import numpy as np
@@ -68,7 +75,11 @@ class PagedKVCache:
         self._block_bytes = sum(self._sizes)
         self._layer_ends = list(accumulate(per_layer))  # layer i owns tensors [ends[i-1], ends[i])
         self._loader: ThreadPoolExecutor | None = None  # started by the first write
-        self._staging = np.empty(0, dtype=np.uint8)  # used by the loader thread only
+        # The loader's host buffer (its thread's alone), pinned on CUDA, and its side stream there.
+        self._device = first.device
+        self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
+        self._staging = torch.empty(0, dtype=torch.uint8)
+        self._copied: torch.cuda.Event | None = None  # the last copy out of the staging buffer
         self._layout: KVLayout = (
             str(first.dtype).removeprefix("torch."),
             first.shape[1],
@@ -148,38 +159,87 @@ class PagedKVCache:
             for layer in range(self.num_layers):
                 arrival.mark_written(layer)
             return arrival
+        queued = None
+        if self._stream is not None:
+            queued = torch.cuda.Event()
+            queued.record(torch.cuda.current_stream(self._device))
         if self._loader is None:
             self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-kv-loader")
-        self._loader.submit(self._write_layers, index, payloads, arrival)
+        self._loader.submit(self._write_layers, index, payloads, arrival, queued)
         return arrival
 
     @torch.no_grad()
-    def _write_layers(self, index: torch.Tensor, payloads: Sequence[Payload], arrival: KVArrival) -> None:
+    def _write_layers(
+        self,
+        index: torch.Tensor,
+        payloads: Sequence[Payload],
+        arrival: KVArrival,
+        queued: torch.cuda.Event | None,
+    ) -> None:
         try:
-            n = len(payloads)
             blocks = [np.frombuffer(payload, dtype=np.uint8) for payload in payloads]  # no copies
-            staging = self._staging_for(n * max(self._sizes))
+            if self._stream is None:
+                self._write_from_host(index, blocks, arrival)
+            else:
+                assert queued is not None
+                self._write_through_device(index, blocks, arrival, queued, self._stream)
+        except BaseException as exc:
+            arrival.fail(exc)
+
+    def _write_from_host(self, index: torch.Tensor, blocks: list[np.ndarray], arrival: KVArrival) -> None:
+        n, first, block_ids = len(blocks), 0, index.numpy()
+        for layer, end in enumerate(self._layer_ends):
+            for t, offset, nbytes in zip(
+                self._tensors[first:end], self._offsets[first:end], self._sizes[first:end], strict=True
+            ):
+                # One C-level gather of this tensor's part of every payload, then one scatter of
+                # the rows by numpy (5x faster here than torch's index_copy_ of the same rows);
+                # numpy drops the GIL while it copies, so the forward on the other thread runs.
+                rows = self._staging_for(n * nbytes)[: n * nbytes].view(n, nbytes).numpy()
+                np.stack([block[offset : offset + nbytes] for block in blocks], out=rows)
+                t.view(t.shape[0], -1).view(torch.uint8).numpy()[block_ids] = rows
+            arrival.mark_written(layer)
+            first = end
+
+    def _write_through_device(
+        self,
+        index: torch.Tensor,
+        blocks: list[np.ndarray],
+        arrival: KVArrival,
+        queued: torch.cuda.Event,
+        stream: torch.cuda.Stream,
+    ) -> None:
+        """Whole payloads into the pinned buffer (one large copy each), one copy of them all
+        to the device, and each tensor's part scattered from there by the GPU: gathering each
+        tensor's few KiB of every payload on the host, as the CPU path does, ran at 3.6 GB/s on
+        an H200's host where the pinned link gave 55."""
+        n = len(blocks)
+        with torch.cuda.stream(stream):
+            stream.wait_event(queued)
+            index.record_stream(stream)
+            rows = self._staging_for(n * self._block_bytes)[: n * self._block_bytes].view(n, -1)
+            np.stack(blocks, out=rows.numpy())
+            on_device = rows.to(self._device, non_blocking=True)
+            self._copied = stream.record_event()
             first = 0
             for layer, end in enumerate(self._layer_ends):
                 for t, offset, nbytes in zip(
                     self._tensors[first:end], self._offsets[first:end], self._sizes[first:end], strict=True
                 ):
-                    # One C-level gather of this tensor's part of every payload; numpy drops the
-                    # GIL while it copies, so the forward on the other thread keeps running.
-                    rows = staging[: n * nbytes].reshape(n, nbytes)
-                    np.stack([block[offset : offset + nbytes] for block in blocks], out=rows)
-                    part = torch.from_numpy(rows).view(t.dtype).view(n, *t.shape[1:])
-                    t.index_copy_(0, index, part.to(t.device))
-                arrival.mark_written(layer)
+                    part = on_device[:, offset : offset + nbytes].view(t.dtype).view(n, *t.shape[1:])
+                    t.index_copy_(0, index, part)
+                arrival.mark_written(layer, partial(_wait_for, stream.record_event(), self._device))
                 first = end
-        except BaseException as exc:
-            arrival.fail(exc)
 
-    def _staging_for(self, nbytes: int) -> np.ndarray:
-        """The loader's reusable host buffer, grown to `nbytes`: a fresh buffer per load spent
-        more time faulting in its pages than copying into them."""
-        if self._staging.size < nbytes:
-            self._staging = np.empty(nbytes, dtype=np.uint8)
+    def _staging_for(self, nbytes: int) -> torch.Tensor:
+        """The loader's host buffer (pinned on CUDA), grown to `nbytes`, once the last copy out
+        of it is done: a fresh buffer per load spent more time faulting in its pages than
+        copying into them."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+        if self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._stream is not None)
         return self._staging
 
     def _index(self, block_ids: list[int]) -> torch.Tensor:
@@ -187,3 +247,8 @@ class PagedKVCache:
         if bad:
             raise ValueError(f"block ids {bad} outside 0 .. {self.num_blocks - 1}")
         return torch.tensor(block_ids, dtype=torch.long).to(self._tensors[0].device)
+
+
+def _wait_for(event: torch.cuda.Event, device: torch.device) -> None:
+    """The calling thread's stream on `device` waits (on the GPU) until `event` has happened."""
+    torch.cuda.current_stream(device).wait_event(event)

@@ -30,6 +30,7 @@ from backends.deepinfer.models.base import CausalLM
 from backends.deepinfer.models.deepseek_v3 import DeepseekV3ForCausalLM, MTPLayer
 from backends.deepinfer.models.registry import build_model
 from backends.deepinfer.outputs import ScheduledChunk, SchedulerOutput
+from backends.deepinfer.sampler import argmax
 from backends.deepinfer.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -300,7 +301,7 @@ class ModelRunner:
             batch = self._batch(group, self._mtp_rows)
             with self._attention_kernels():
                 hidden = self.mtp(batch, previous_hidden[at : at + n])[batch.sample_index]
-            tokens += self.mtp.compute_logits(hidden).argmax(dim=-1).tolist()
+            tokens += argmax(self.mtp.compute_logits(hidden)).tolist()
             states.append(hidden)
             at += n
         return tokens, torch.cat(states)

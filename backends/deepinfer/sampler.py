@@ -37,6 +37,15 @@ _GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
 _TOP_P_WINDOW = 1024  # candidates examined for top-p before falling back to a full sort
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value (the first of equal ones). On the CPU numpy's
+    vectorised argmax does it: torch's took 1.9 ms for 32 rows of SmolLM2's 49,152 logits on
+    one thread, numpy's 0.12 (same indices), and it ran at every decode step."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
+
+
 def validate_request(request: WorkerRequest, vocab_size: int) -> None:
     """Reject sampling parameters the sampler cannot honour (raises ValueError)."""
     s = request.sampling
@@ -135,12 +144,12 @@ class Sampler:
 
         greedy = [_is_greedy(p) for p in params]
         if all(greedy):
-            sampled = logits.argmax(dim=-1)
+            sampled = argmax(logits)
         else:
             random = self._sample_random(logits, seqs, params, greedy)
             if any(greedy):
                 mask = torch.tensor(greedy, device=logits.device)
-                sampled = torch.where(mask, logits.argmax(dim=-1), random)
+                sampled = torch.where(mask, argmax(logits), random)
             else:
                 sampled = random
         token_ids: list[int] = sampled.tolist()

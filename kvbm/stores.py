@@ -83,12 +83,15 @@ class HostStore:
         return seq_hash in self._slots
 
     def get(self, seq_hash: int) -> Payload | None:
+        """A view of the block's slot, not a copy: it holds this block until the next `put`
+        or `discard` (which may give the slot to another), so read it before then or copy it.
+        The engine reads it in the step that loads it, and puts only after that step."""
         slot = self._slots.get(seq_hash)
         if slot is None:
             return None
         self._slots.move_to_end(seq_hash)
         start = slot * self.block_bytes
-        return bytes(self._view[start : start + self.block_bytes])
+        return self._view[start : start + self.block_bytes]
 
     def put(self, seq_hash: int, payload: Payload) -> list[int]:
         if seq_hash in self._slots:

@@ -18,7 +18,11 @@ Policy, learned from NVIDIA Dynamo's KVBM and LMCache without copying either:
   blocks Redis expires or evicts by itself, and those it held before this worker started.
   A snapshot holds no remote blocks (`RedisStore.hashes`): they follow it as events.
 
-- Host memory is read and written on the engine's step thread (a memory copy). With a
+- Host memory is read and written on the engine's step thread. A host hit is a view of its
+  slot, not a copy (the load into the device is the one copy), so nothing may put into host
+  memory between a step's lookups and the end of that step: the copy-up of blocks a step
+  onboards from disk or the remote store waits for the step's `offload`, the first put after
+  it. (Put at once, it could evict the slot of a block the same step is loading.) With a
   `TransferEngine`, everything the disk and the remote store do runs on its pool of threads
   instead: offloads are queued (and skipped when the queue is full), and a prefix that
   continues on a slow tier is read there while its sequence waits (`Fetch.running`), so a
@@ -90,6 +94,8 @@ class TieredStore:
         # seq_hash -> times onboarded, for the disk filter; bounded by what the tiers can hold.
         self._reuse: OrderedDict[int, int] = OrderedDict()
         self._reuse_limit = 2 * sum(min(s.capacity_blocks, 1 << 22) for s in self.stores)
+        # Blocks this step onboarded from a slow tier, for host memory once the step ends.
+        self._promotions: list[tuple[int, Payload]] = []
         self._events: list[KvEvent] = []
         self._events_lock = threading.Lock()  # transfer jobs and the remote store's watcher add events too
         self._disk_writes = threading.Lock()  # one disk write at a time (module docstring)
@@ -102,7 +108,11 @@ class TieredStore:
     # ------------------------------------------------------------------ device -> tiers
 
     def offload(self, blocks: Iterable[tuple[int, Payload]]) -> None:
-        """Blocks the device just computed, (seq_hash, payload): write-through to G2 (and G4)."""
+        """Blocks the device just computed, (seq_hash, payload): write-through to G2 (and G4).
+        The engine calls it at the end of every step, loads done: the step's copy-ups from the
+        slow tiers go into host memory first (`onboarded`)."""
+        if self._promotions:
+            self._promote()
         started = time.perf_counter()
         fresh: list[tuple[int, Payload]] = []
         for seq_hash, payload in blocks:
@@ -247,20 +257,27 @@ class TieredStore:
 
     def onboarded(self, blocks: Sequence[Fetched]) -> None:
         """The engine took these blocks into its device cache: count them (and their reuse),
-        and keep those read from a slow tier in host memory, so the next hit is a copy."""
-        promoted: list[int] = []
+        and keep those read from a slow tier in host memory from the step's `offload` on, so
+        the next hit is a copy."""
         for seq_hash, tier, payload in blocks:
             metrics.ONBOARD_BLOCKS.labels(self.worker, tier).inc()
             metrics.ONBOARD_BYTES.labels(self.worker, tier).inc(len(payload) or self.block_bytes)
             self._reuse[seq_hash] = self._reuse.pop(seq_hash, 0) + 1
-            if tier != "host" and seq_hash not in self.host:
+            if tier != "host":
+                self._promotions.append((seq_hash, payload))
+        while len(self._reuse) > self._reuse_limit:
+            self._reuse.popitem(last=False)
+
+    def _promote(self) -> None:
+        promoted: list[int] = []
+        for seq_hash, payload in self._promotions:
+            if seq_hash not in self.host:
                 self._make_host_room()
                 self.host.put(seq_hash, payload)
                 promoted.append(seq_hash)
+        self._promotions.clear()
         if promoted:
             self._stored("host", promoted)
-        while len(self._reuse) > self._reuse_limit:
-            self._reuse.popitem(last=False)
 
     # ------------------------------------------------------------------ observability
 

@@ -248,13 +248,13 @@ class Engine:
         return outputs
 
     def _offload(self) -> None:
-        """Write the blocks this step completed through to the tiers. Under the lock with the
-        rest of postprocess: nothing can reuse those blocks before the next schedule()."""
+        """Write the blocks this step completed through to the tiers, every step (the tiers
+        copy this step's slow-tier loads up to host memory then). Under the lock with the rest
+        of postprocess: nothing can reuse those blocks before the next schedule()."""
+        assert self.tiers is not None
         saves = self.scheduler.kv_cache.take_saves()
-        if saves:
-            assert self.tiers is not None
-            payloads = self.runner.kv_cache.read_blocks([block_id for block_id, _ in saves])
-            self.tiers.offload(zip((seq_hash for _, seq_hash in saves), payloads, strict=True))
+        payloads = self.runner.kv_cache.read_blocks([block_id for block_id, _ in saves])
+        self.tiers.offload(zip((seq_hash for _, seq_hash in saves), payloads, strict=True))
 
     def _advance_grammars(self, outputs: list[SeqOutput]) -> None:
         guided = self.guided

@@ -61,9 +61,32 @@ def test_host_evictions_reach_disk_only_when_reused(tmp_path: Path) -> None:
     assert store.fetch_prefix([1], fetch) == ([(1, "disk", payload(1))], False)
     assert metrics.LOOKUPS.labels(store.worker, "disk")._value.get() == reads
     store.onboarded([(1, "disk", payload(1))])
+    assert 1 not in store.host  # not while the step that loads it runs (the next test)
+    store.offload([])  # the step's end
     assert 1 in store.host
     assert ("stored", "host") in by_tier(store.take_events())
     assert set(store.snapshot()) == {"host", "disk"}
+
+
+def test_a_host_hit_is_the_slot_itself_and_holds_until_the_step_ends(tmp_path: Path) -> None:
+    """A host hit is a view of its slot (the device load is the one copy). Blocks the same
+    step onboards from disk are copied up to host memory only at the step's end: put at once,
+    they would evict the slots of the host hits the step is still loading."""
+    store = tiers(tmp_path, host_blocks=2, disk_min_reuse=0)
+    store.offload([(1, payload(1)), (2, payload(2)), (3, payload(3)), (4, payload(4))])
+    assert store.disk is not None and {1, 2} <= set(store.disk.hashes())  # host keeps 3 and 4
+    # One schedule: sequence A hits 3 and 4 in host memory, sequence B hits 1 and 2 on disk.
+    hits, _ = store.fetch_prefix([3, 4], Fetch())
+    assert [(h, tier) for h, tier, _ in hits] == [(3, "host"), (4, "host")]
+    assert all(isinstance(p, memoryview) for _, _, p in hits)
+    disk_hits, _ = store.fetch_prefix([1, 2], Fetch())
+    store.onboarded(hits)
+    store.onboarded(disk_hits)
+    # The step loads A's blocks now: its views still hold 3 and 4, not B's copy-ups.
+    assert [bytes(p) for _, _, p in hits] == [payload(3), payload(4)]
+    store.offload([])
+    assert 1 in store.host and 2 in store.host
+    assert bytes(store.host.get(1) or b"") == payload(1)
 
 
 def test_a_damaged_disk_block_is_a_miss_and_counted(tmp_path: Path) -> None:

@@ -33,9 +33,9 @@ Policy, learned from NVIDIA Dynamo's KVBM and LMCache without copying either:
   all of it runs inline.
 
 A block a tier cannot return intact is a miss (the engine recomputes it), counted in
-`weir_kvbm_errors_total`. Nothing here touches torch: payloads are bytes (none at all in the
-mocker's simulated stores, which keep only hashes). Every metric carries this store's
-`worker` label (metrics.py), built from `name`.
+`weir_kvbm_errors_total`. Nothing here touches torch: payloads are bytes, or views of host
+memory (none at all in the mocker's simulated stores, which keep only hashes). Every metric
+carries this store's `worker` label (metrics.py), built from `name`.
 """
 
 from __future__ import annotations

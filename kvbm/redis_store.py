@@ -76,6 +76,10 @@ REMOVED_BATCH = 1000  # notifications taken per removed report at most
 WATCH_POLL_S = 0.5  # the watcher's longest wait for a notification, before it checks for close
 NOTIFY_SETTING = "notify-keyspace-events"
 NOTIFY_FLAGS = "Exe"  # keyevent channels; expired; evicted
+# A pipeline's records are written into one buffer per thread, reused: a fresh record per block
+# made every put fault in new pages (64 KiB records were written at 0.42 GB/s against a raw
+# SET's 0.77-1.1 here, most of the difference page faults). Larger puts take several pipelines.
+PIPELINE_BYTES = 16 << 20
 
 _T = TypeVar("_T")
 Report = Callable[[list[int]], None]
@@ -95,6 +99,7 @@ class RedisStore:
         self.layout = layout
         self.block_bytes = block_bytes
         self.ttl_s = ttl_s
+        self._buffers = threading.local()  # each thread's record buffer (PIPELINE_BYTES)
         self.available = True
         self._prefix = f"weir:kv:{layout:016x}:"
         self._prefix_bytes = self._prefix.encode()  # as notifications and SCAN return keys
@@ -159,12 +164,23 @@ class RedisStore:
         return []
 
     def put_many(self, items: Iterable[tuple[int, Payload]]) -> None:
-        """Store blocks in one round trip."""
-        encoded: list[tuple[str, bytes]] = []
-        for seq_hash, payload in items:
+        """Store blocks, a pipeline (one round trip) per PIPELINE_BYTES of records."""
+        blocks = list(items)
+        for _, payload in blocks:
             if len(payload) != self.block_bytes:
                 raise ValueError(f"a block is {self.block_bytes} bytes here, got {len(payload)}")
-            encoded.append((self.key(seq_hash), records.encode(seq_hash, self.layout, payload)))
+        per_pipeline = max(1, PIPELINE_BYTES // (records.HEADER_BYTES + self.block_bytes))
+        for start in range(0, len(blocks), per_pipeline):
+            self._put_pipeline(blocks[start : start + per_pipeline])
+
+    def _put_pipeline(self, blocks: list[tuple[int, Payload]]) -> None:
+        buffer = self._record_buffer(len(blocks) * (records.HEADER_BYTES + self.block_bytes))
+        encoded: list[tuple[str, memoryview]] = []
+        offset = 0
+        for seq_hash, payload in blocks:
+            end = offset + records.encode_into(buffer[offset:], seq_hash, self.layout, payload)
+            encoded.append((self.key(seq_hash), buffer[offset:end]))
+            offset = end
 
         def store(client: redis.Redis) -> None:
             pipe = client.pipeline(transaction=False)
@@ -173,7 +189,14 @@ class RedisStore:
             pipe.execute()
 
         if encoded:
-            self._call(store, None)
+            self._call(store, None)  # the buffer is free again once this returns
+
+    def _record_buffer(self, nbytes: int) -> memoryview:
+        buffer: memoryview | None = getattr(self._buffers, "buffer", None)
+        if buffer is None or len(buffer) < nbytes:
+            buffer = memoryview(bytearray(nbytes))
+            self._buffers.buffer = buffer
+        return buffer
 
     def discard(self, seq_hash: int) -> None:
         """Delete the block, for every worker."""

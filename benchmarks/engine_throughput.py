@@ -209,42 +209,44 @@ def run_vllm(
 # ---------------------------------------------------------------------- driver
 
 
+# Random-weight Llamas built here (tiny.py), by name: config fields over tiny.py's defaults.
+RANDOM_MODELS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "intermediate_size": 768,
+    },
+    "smollm2-shape": {  # SmolLM2-135M's config.json
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "max_position_embeddings": 8192,
+        "rope_theta": 100000.0,
+        "tie_word_embeddings": True,
+    },
+}
+
+
 def model_dirs(names: list[str], scratch: Path) -> dict[str, Path]:
+    from backends.deepinfer.tiny import build_checkpoint
+
     dirs: dict[str, Path] = {}
-    if "tiny" in names:
-        from backends.deepinfer.tiny import build_checkpoint
+    for name in names:
+        if name == "smollm2":
+            from backends.deepinfer.smollm2 import ensure_default_model
 
-        dirs["tiny"] = build_checkpoint(
-            scratch / "tiny-llama",
-            "llama",
-            hidden_size=256,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            intermediate_size=768,
-        )
-    if "smollm2" in names:
-        from backends.deepinfer.smollm2 import ensure_default_model
-
-        dirs["smollm2"] = ensure_default_model()
-    if "smollm2-shape" in names:
-        from backends.deepinfer.tiny import build_checkpoint
-
-        dirs["smollm2-shape"] = build_checkpoint(
-            scratch / "smollm2-shape",
-            "llama",
-            vocab_size=49152,
-            hidden_size=576,
-            intermediate_size=1536,
-            num_hidden_layers=30,
-            num_attention_heads=9,
-            num_key_value_heads=3,
-            head_dim=64,
-            max_position_embeddings=8192,
-            rope_theta=100000.0,
-            tie_word_embeddings=True,
-        )
+            dirs[name] = ensure_default_model()
+        elif name in RANDOM_MODELS:
+            dirs[name] = build_checkpoint(scratch / name, "llama", **RANDOM_MODELS[name])
+        else:
+            raise SystemExit(f"unknown model {name!r}: choose from smollm2, {', '.join(RANDOM_MODELS)}")
     return dirs
 
 
@@ -305,12 +307,13 @@ def bench_model(
     wanted = {"batch32", *args.workloads.split(",")}
     every = workloads(config["vocab_size"], args.seed)
     jobs = {name: batch for name, batch in every.items() if name in wanted}
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    dtype_name = "bfloat16" if args.device.startswith("cuda") else "float32"
+    dtype = getattr(torch, dtype_name)
     engine = Engine(
         EngineConfig(
             model=str(model_dir),
             device=args.device,
-            dtype=str(dtype).removeprefix("torch."),  # type: ignore[arg-type]
+            dtype=dtype_name,
             kv_cache_memory_gb=args.kv_gb,
             max_num_seqs=64,
             # Rounds repeat the same prompts; vLLM starts cold each time, so DeepInfer must too.

@@ -77,8 +77,8 @@ WATCH_POLL_S = 0.5  # the watcher's longest wait for a notification, before it c
 NOTIFY_SETTING = "notify-keyspace-events"
 NOTIFY_FLAGS = "Exe"  # keyevent channels; expired; evicted
 # A pipeline's records are written into one buffer per thread, reused: a fresh record per block
-# made every put fault in new pages (64 KiB records were written at 0.42 GB/s against a raw
-# SET's 0.77-1.1 here, most of the difference page faults). Larger puts take several pipelines.
+# made every put fault in new pages, and writes ran at 0.54-0.58 of a raw pipelined SET instead
+# of 0.83-0.88 (`benchmarks/kvbm_tiers.py`). Larger puts take several pipelines.
 PIPELINE_BYTES = 16 << 20
 
 _T = TypeVar("_T")

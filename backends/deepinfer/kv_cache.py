@@ -193,8 +193,9 @@ class PagedKVCache:
                 self._tensors[first:end], self._offsets[first:end], self._sizes[first:end], strict=True
             ):
                 # One C-level gather of this tensor's part of every payload, then one scatter of
-                # the rows by numpy (5x faster here than torch's index_copy_ of the same rows);
-                # numpy drops the GIL while it copies, so the forward on the other thread runs.
+                # the rows by numpy (with torch's index_copy_ instead, `benchmarks/kv_cache_write.py`
+                # wrote 2.5 GB/s, not 3.5); numpy drops the GIL while it copies, so the forward
+                # on the other thread runs.
                 rows = self._staging_for(n * nbytes)[: n * nbytes].view(n, nbytes).numpy()
                 np.stack([block[offset : offset + nbytes] for block in blocks], out=rows)
                 t.view(t.shape[0], -1).view(torch.uint8).numpy()[block_ids] = rows
@@ -211,8 +212,8 @@ class PagedKVCache:
     ) -> None:
         """Whole payloads into the pinned buffer (one large copy each), one copy of them all
         to the device, and each tensor's part scattered from there by the GPU: gathering each
-        tensor's few KiB of every payload on the host, as the CPU path does, ran at 3.6 GB/s on
-        an H200's host where the pinned link gave 55."""
+        tensor's few KiB of every payload on the host, as the CPU path does, wrote 3.6 GB/s on
+        an H200 where the pinned link gave 55 (`benchmarks/kv_cache_write.py`; 6.3 this way)."""
         n = len(blocks)
         with torch.cuda.stream(stream):
             stream.wait_event(queued)

@@ -49,6 +49,11 @@ def add_deepinfer_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="batch-invariant numerics: seeded requests ignore their batch",
     )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on a GPU, run decode steps eagerly instead of replaying them as CUDA graphs",
+    )
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     g.add_argument("--seed", type=int, default=d.seed, help="seed for unseeded sampling")
     g.add_argument(
@@ -141,6 +146,7 @@ def deepinfer_config_from_args(args: argparse.Namespace, model_dir: Path, served
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         deterministic=args.deterministic,
+        enforce_eager=args.enforce_eager,
         seed=args.seed,
         host_cache_gb=args.host_cache_gb,
         disk_cache_dir=args.disk_cache_dir,

@@ -21,6 +21,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     deterministic: bool = False  # batch-invariant numerics: a seeded request ignores its batch
+    enforce_eager: bool = False  # on a GPU, no CUDA graphs for decode steps (decode_graphs.py)
     seed: int = 0
     # KV tiers below the device cache (kvbm; kv_tiers.py). Host memory is the first of them:
     # 0 turns every tier off.

@@ -19,11 +19,14 @@ Contexts are gathered a whole block at a time (block tables, not per-token slots
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from backends.deepinfer.kv_arrival import KVArrival
+from backends.deepinfer.sequence import Sequence
 
 
 @dataclass(slots=True)
@@ -41,6 +44,38 @@ class PrefillSpan:
     @property
     def length(self) -> int:
         return self.context_len + self.end - self.begin
+
+
+@dataclass(slots=True)
+class DecodeRows:
+    """What a set of layers' decode workspaces hold after the last step that wrote them: the
+    sequence and context length of each row, and the rows' capacity in positions."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    capacity: int = 0
+
+
+class CarryOver(NamedTuple):
+    keep_from: list[int]  # previous rows that continue ...
+    keep_to: list[int]  # ... at these rows
+    fresh: list[int]  # rows to rebuild from the paged cache
+
+
+def carry_over(rows: DecodeRows, seqs: list[Sequence], lengths: Seq[int]) -> CarryOver:
+    """Which of this step's rows continue a row of the previous step (the same sequence, one
+    token further on) and which must be rebuilt; `rows` then describes this step."""
+    previous = {id(s): (row, n) for row, (s, n) in enumerate(zip(rows.seqs, rows.lengths, strict=True))}
+    rows.seqs, rows.lengths = seqs, list(lengths)
+    out = CarryOver([], [], [])
+    for row, (seq, n) in enumerate(zip(seqs, lengths, strict=True)):
+        old = previous.get(id(seq))  # the previous list is alive, so ids are unambiguous
+        if old is not None and old[1] == n - 1:
+            out.keep_from.append(old[0])
+            out.keep_to.append(row)
+        else:
+            out.fresh.append(row)
+    return out
 
 
 @dataclass(slots=True)
@@ -68,6 +103,20 @@ class DecodePlan:
 
 
 @dataclass(slots=True)
+class StaticDecode:
+    """A decode step in fixed shapes, as a CUDA graph replays it (decode_graphs.py): one token
+    per row, every row attending over its whole workspace row under a mask. The workspaces
+    already hold each row's context up to the token before this step's; the step appends its
+    k/v at `positions`."""
+
+    workspaces: list[tuple[torch.Tensor, torch.Tensor]]  # per cache layer: K and V, [B, Hk, capacity, d]
+    rows: torch.Tensor  # [B] 0 .. B - 1
+    positions: torch.Tensor  # [B] each row's new position (context length - 1)
+    mask: torch.Tensor  # [B, 1, 1, capacity] bool, True on real context
+    window_mask: torch.Tensor | None  # the same within the sliding window, for layers that have one
+
+
+@dataclass(slots=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -79,6 +128,7 @@ class ForwardBatch:
     sample_index: torch.Tensor  # [S] flat positions whose logits are returned
     # Onboarded blocks still being written, layer by layer; each cache layer waits for its own.
     kv_arrival: KVArrival | None = None
+    static: StaticDecode | None = None  # a decode step in fixed shapes (then no prefills, no decode plan)
 
     @property
     def num_tokens(self) -> int:

@@ -87,14 +87,15 @@ class PagedKVCache:
         )
 
     @classmethod
-    def from_layers(cls, layers: Iterable[Attention | MLAttention]) -> PagedKVCache:
-        """The caches of `layers` (allocated), in layer order: K then V for attention, the
-        latent cache for MLA."""
+    def from_layers(cls, layers: Iterable[Attention | MLAttention], num_blocks: int) -> PagedKVCache:
+        """The first `num_blocks` blocks of the caches of `layers` (allocated; the runner's have
+        a scratch block past them), in layer order: K then V for attention, the latent cache
+        for MLA."""
         tensors: list[torch.Tensor] = []
         per_layer: list[int] = []
         for layer in layers:
             own = (layer.k_cache, layer.v_cache) if isinstance(layer, Attention) else (layer.kv_cache,)
-            tensors.extend(own)
+            tensors.extend(t.narrow(0, 0, num_blocks) for t in own)
             per_layer.append(len(own))
         return cls(tensors, per_layer)
 

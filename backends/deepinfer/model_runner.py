@@ -16,7 +16,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from backends.deepinfer.config import EngineConfig
-from backends.deepinfer.forward_batch import DecodePlan, ForwardBatch, PrefillSpan
+from backends.deepinfer.decode_graphs import DecodeGraphs
+from backends.deepinfer.forward_batch import DecodePlan, DecodeRows, ForwardBatch, PrefillSpan, carry_over
 from backends.deepinfer.hf_config import HFConfig
 from backends.deepinfer.kv_arrival import KVArrival
 from backends.deepinfer.kv_cache import PagedKVCache
@@ -25,6 +26,7 @@ from backends.deepinfer.layers.attention import Attention
 from backends.deepinfer.layers.embed import LMHead
 from backends.deepinfer.layers.linear import Linear
 from backends.deepinfer.layers.mla import MLAttention
+from backends.deepinfer.layers.moe import FusedExperts
 from backends.deepinfer.loader import load_weights
 from backends.deepinfer.models.base import CausalLM
 from backends.deepinfer.models.deepseek_v3 import DeepseekV3ForCausalLM, MTPLayer
@@ -57,13 +59,19 @@ class _Span(NamedTuple):
 
 
 @dataclass(slots=True)
-class _DecodeRows:
-    """What a set of layers' decode workspaces hold after the last step (see DecodePlan): the
-    sequence and context length of each row, and the rows' capacity."""
+class _StepLists:
+    """A step's inputs as plain Python lists, before they become tensors: a step has many
+    small spans, and one tensor per field is cheaper than one per span."""
 
-    seqs: list[Sequence] = field(default_factory=list)
-    lengths: list[int] = field(default_factory=list)
-    capacity: int = 0
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)  # begin, end, start, table
+    decode_index: list[int] = field(default_factory=list)
+    decode_tables: list[list[int]] = field(default_factory=list)
+    decode_lengths: list[int] = field(default_factory=list)
+    decode_seqs: list[Sequence] = field(default_factory=list)
+    sample_index: list[int] = field(default_factory=list)
 
 
 # SDPA's kernels on a GPU, cuDNN's left out: it builds a plan for every new shape, and a decode
@@ -150,13 +158,16 @@ class ModelRunner:
                 layer.sliding_window = window
         self.kv_bytes_per_token = sum(layer.cache_bytes_per_token(self.dtype) for layer in self._cache_layers)
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory()
+        # One block more than the block manager hands out: where the padding rows of a
+        # fixed-shape decode step write their K/V (decode_graphs.py), which nothing reads.
         for layer in self._cache_layers:
-            layer.allocate_cache(self.num_kv_blocks, self.block_size, self.dtype, self.device)
-        self.kv_cache = PagedKVCache.from_layers(self._cache_layers)
+            layer.allocate_cache(self.num_kv_blocks + 1, self.block_size, self.dtype, self.device)
+        self.kv_cache = PagedKVCache.from_layers(self._cache_layers, self.num_kv_blocks)
         # The decode workspaces' rows, of the main model's layers and of the MTP layer's (which
         # decodes other positions); reset after a failed step, so the next one refills.
-        self._rows = _DecodeRows()
-        self._mtp_rows = _DecodeRows()
+        self._rows = DecodeRows()
+        self._mtp_rows = DecodeRows()
+        self.graphs = self._decode_graphs()
         logger.info(
             "loaded %s (%s) on %s/%s in %.1f s; KV cache %d blocks x %d tokens (%.2f GiB)",
             self.model_dir.name,
@@ -167,6 +178,35 @@ class ModelRunner:
             self.num_kv_blocks,
             self.block_size,
             self.num_kv_blocks * self.block_size * self.kv_bytes_per_token / 2**30,
+        )
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs for decode steps, on a GPU, for models whose every step has the same
+        shapes for the same batch: multi-head attention layers only (MLA gathers its contexts
+        by length), no MoE (its experts' token groups vary), no MTP (its hidden states are kept
+        between steps), not deterministic mode (one forward per chunk)."""
+        config = self.config
+        if self.device.type != "cuda" or config.enforce_eager or config.deterministic or self.mtp is not None:
+            return None
+        if not all(isinstance(layer, Attention) for layer in self._cache_layers):
+            return None
+        if any(isinstance(module, FusedExperts) for module in self.model.modules()):
+            return None
+        return self.decode_graphs(capture=True)
+
+    def decode_graphs(self, capture: bool) -> DecodeGraphs:
+        """Fixed-shape decode steps over this runner's model and cache; `capture=False` runs
+        them eagerly (on a CPU, for the tests)."""
+        return DecodeGraphs(
+            self.model,
+            [layer for layer in self._cache_layers if isinstance(layer, Attention)],
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            max_batch=self.config.max_num_seqs,
+            scratch_slot=self.num_kv_blocks * self.block_size,
+            window=self._window,
+            kernels=self.attention_kernels,
+            capture=capture,
         )
 
     def _max_model_len(self, windows: set[int | None]) -> int:
@@ -214,7 +254,9 @@ class ModelRunner:
                 self._hidden = hidden
             return logits
         except BaseException:
-            self._rows = _DecodeRows()  # the workspaces may be half written
+            self._rows = DecodeRows()  # the workspaces may be half written
+            if self.graphs is not None:
+                self.graphs.reset()
             raise
         finally:
             if arrival is not None:
@@ -229,13 +271,23 @@ class ModelRunner:
         if not chunks:
             empty = torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
             return empty, empty
-        batch = self.prepare(chunks)
+        spans = self._spans(chunks)
+        lists = self._lists(spans)
+        graphs = self.graphs
+        # Every chunk one token, sampled, no KV arriving: a decode step a graph can replay.
+        decode_only = len(lists.decode_index) == len(lists.sample_index) == len(spans)
+        if graphs is not None and arrival is None and decode_only and graphs.fits(len(spans)):
+            logits = graphs.run(
+                lists.decode_seqs, lists.ids, lists.slots, lists.decode_tables, lists.decode_lengths
+            )
+            return logits, torch.empty(0, device=self.device)
+        batch = self._tensors(lists, self._rows)
         batch.kv_arrival = arrival
-        with self._attention_kernels():
+        with self.attention_kernels():
             hidden = self.model(batch)
         return self.model.compute_logits(hidden[batch.sample_index]).float(), hidden
 
-    def _attention_kernels(self) -> AbstractContextManager[None]:
+    def attention_kernels(self) -> AbstractContextManager[None]:
         return sdpa_kernel(_CUDA_SDPA) if self.device.type == "cuda" else nullcontext()
 
     @torch.inference_mode()
@@ -283,7 +335,7 @@ class ModelRunner:
                 for i, token in zip(going, drafts, strict=True):
                     chains[i][1].append(token)
         except BaseException:
-            self._mtp_rows = _DecodeRows()
+            self._mtp_rows = DecodeRows()
             raise
         it = iter(chain for _, chain in chains)
         return [next(it) if span.samples else [] for span in spans]
@@ -299,7 +351,7 @@ class ModelRunner:
         for group in groups:
             n = sum(len(span.tokens) for span in group)
             batch = self._batch(group, self._mtp_rows)
-            with self._attention_kernels():
+            with self.attention_kernels():
                 hidden = self.mtp(batch, previous_hidden[at : at + n])[batch.sample_index]
             tokens += argmax(self.mtp.compute_logits(hidden)).tolist()
             states.append(hidden)
@@ -309,6 +361,9 @@ class ModelRunner:
     def prepare(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         """Flatten the chunks' tokens (and drafts) and build their cache slots and attention
         spans; the rows returned are each sampling chunk's last known token and its drafts."""
+        return self._tensors(self._lists(self._spans(chunks)), self._rows)
+
+    def _spans(self, chunks: list[ScheduledChunk]) -> list[_Span]:
         spans: list[_Span] = []
         for chunk in chunks:
             seq, start, known, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens, chunk.end
@@ -319,20 +374,15 @@ class ModelRunner:
                 )
             tokens = seq.token_ids[start:known] + chunk.draft
             spans.append(_Span(seq, start, tokens, 1 + len(chunk.draft) if chunk.sample else 0))
-        return self._batch(spans, self._rows)
+        return spans
 
-    def _batch(self, spans: list[_Span], rows: _DecodeRows) -> ForwardBatch:
-        """Plain Python lists first, one tensor per field after: a step has many small spans."""
+    def _batch(self, spans: list[_Span], rows: DecodeRows) -> ForwardBatch:
+        return self._tensors(self._lists(spans), rows)
+
+    def _lists(self, spans: list[_Span]) -> _StepLists:
         bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        prefills: list[PrefillSpan] = []
-        decode_index: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lengths: list[int] = []
-        decode_seqs: list[Sequence] = []
-        sample_index: list[int] = []
+        lists = _StepLists()
+        ids, positions, slots, sample_index = lists.ids, lists.positions, lists.slots, lists.sample_index
         for seq, start, tokens, samples in spans:
             end = start + len(tokens)
             table = seq.block_table[: -(-end // bs)]
@@ -347,54 +397,49 @@ class ModelRunner:
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if end - start == 1:
-                decode_index.append(begin)
-                decode_tables.append(table)
-                decode_lengths.append(end)
-                decode_seqs.append(seq)
+                lists.decode_index.append(begin)
+                lists.decode_tables.append(table)
+                lists.decode_lengths.append(end)
+                lists.decode_seqs.append(seq)
             else:  # a prompt chunk, or a decode step with its draft: attended like a prompt's
-                context = self._tensor(table) if start else None
-                prefills.append(PrefillSpan(begin, len(ids), start, context))
+                lists.prefills.append((begin, len(ids), start, table))
             sample_index.extend(range(len(ids) - samples, len(ids)))
+        return lists
+
+    def _tensors(self, lists: _StepLists, rows: DecodeRows) -> ForwardBatch:
         batch = ForwardBatch(
-            input_ids=self._tensor(ids),
-            positions=self._tensor(positions),
-            slot_mapping=self._tensor(slots),
-            prefills=prefills,
+            input_ids=self._tensor(lists.ids),
+            positions=self._tensor(lists.positions),
+            slot_mapping=self._tensor(lists.slots),
+            prefills=[
+                PrefillSpan(begin, end, start, self._tensor(table) if start else None)
+                for begin, end, start, table in lists.prefills
+            ],
             decode_index=None,
             decode_blocks=None,
             decode_plan=None,
-            sample_index=self._tensor(sample_index),
+            sample_index=self._tensor(lists.sample_index),
         )
-        if decode_index:
-            width = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (width - len(t)) for t in decode_tables]  # block 0: masked out
-            batch.decode_index = self._tensor(decode_index)
+        if lists.decode_index:
+            tables = lists.decode_tables
+            width = max(len(t) for t in tables)
+            padded = [t + [0] * (width - len(t)) for t in tables]  # block 0: masked out
+            batch.decode_index = self._tensor(lists.decode_index)
             batch.decode_blocks = self._tensor(padded)
-            batch.decode_plan = self._decode_plan(decode_seqs, decode_lengths, width, rows)
+            batch.decode_plan = self._decode_plan(lists.decode_seqs, lists.decode_lengths, width, rows)
         return batch
 
     def _decode_plan(
-        self, seqs: list[Sequence], lengths: list[int], width: int, rows: _DecodeRows
+        self, seqs: list[Sequence], lengths: list[int], width: int, rows: DecodeRows
     ) -> DecodePlan:
         """Which workspace rows carry over from the previous step (a sequence one token further
         on) and which are rebuilt from the paged cache (new to decoding, or everything when the
         longest context outgrows the workspace; then it is sized with room to grow)."""
         length = max(lengths)
-        previous = {id(s): (row, n) for row, (s, n) in enumerate(zip(rows.seqs, rows.lengths, strict=True))}
-        rows.seqs, rows.lengths = seqs, lengths
         if length > rows.capacity:
             rows.capacity = (width + _WORKSPACE_HEADROOM_BLOCKS) * self.block_size
-            previous = {}
-        keep_from: list[int] = []
-        keep_to: list[int] = []
-        fresh: list[int] = []
-        for row, (seq, n) in enumerate(zip(seqs, lengths, strict=True)):
-            old = previous.get(id(seq))  # the previous list is alive, so ids are unambiguous
-            if old is not None and old[1] == n - 1:
-                keep_from.append(old[0])
-                keep_to.append(row)
-            else:
-                fresh.append(row)
+            rows.seqs, rows.lengths = [], []  # a new workspace: nothing carries over
+        keep_from, keep_to, fresh = carry_over(rows, seqs, lengths)
         lengths_t = self._tensor(lengths)
         mask = window_mask = None
         window = self._window

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.deepinfer.forward_batch import DecodePlan, ForwardBatch, PrefillSpan
+from backends.deepinfer.forward_batch import DecodePlan, ForwardBatch, PrefillSpan, StaticDecode
 
 
 def store(cache: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor) -> None:
@@ -125,6 +125,8 @@ class Attention(nn.Module):
             batch.kv_arrival.wait(self.cache_layer)
         store(self.k_cache, batch.slot_mapping, k)
         store(self.v_cache, batch.slot_mapping, v)
+        if batch.static is not None:
+            return self._static_decode(q, k, v, batch.static)
         out = torch.empty_like(q)
         for span in batch.prefills:
             keys, values = self._context(span, k, v)
@@ -145,6 +147,16 @@ class Attention(nn.Module):
             )
             out[index] = grouped_decode_attention(q[index], keys, values, mask, self.scale).to(q.dtype)
         return out
+
+    def _static_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, static: StaticDecode
+    ) -> torch.Tensor:
+        keys, values = static.workspaces[self.cache_layer]
+        keys[static.rows, :, static.positions] = k
+        values[static.rows, :, static.positions] = v
+        window = self.sliding_window is not None and static.window_mask is not None
+        mask = static.window_mask if window else static.mask
+        return grouped_decode_attention(q, keys, values, mask, self.scale).to(q.dtype)
 
     def _context(
         self, span: PrefillSpan, k: torch.Tensor, v: torch.Tensor

@@ -4,7 +4,9 @@ Models: a tiny random Llama (hidden 256, 4 layers, built here by `tiny.py`), the
 SmolLM2-135M-Instruct, and `smollm2-shape`: random weights in SmolLM2-135M's shape (30 layers,
 hidden 576, 9 query and 3 KV heads, 49,152-token vocabulary), for a machine the 89 MiB package
 cannot reach (a GPU machine lent without network). Float32 on the CPU; `--device cuda` runs
-DeepInfer and HF there in bfloat16 (vLLM is then not run: its CPU build is what this compares).
+DeepInfer and HF there in bfloat16 (vLLM is then not run: its CPU build is what this compares),
+and DeepInfer a second time with `enforce_eager` (`eager`: no CUDA graphs for its decode
+steps; `ratio_vs_eager` is what replaying them gains on batch32).
 Workloads, all greedy with ignore_eos so every engine emits
 exactly the requested tokens:
 
@@ -309,31 +311,46 @@ def bench_model(
     jobs = {name: batch for name, batch in every.items() if name in wanted}
     dtype_name = "bfloat16" if args.device.startswith("cuda") else "float32"
     dtype = getattr(torch, dtype_name)
-    engine = Engine(
-        EngineConfig(
-            model=str(model_dir),
-            device=args.device,
-            dtype=dtype_name,
-            kv_cache_memory_gb=args.kv_gb,
-            max_num_seqs=64,
-            # Rounds repeat the same prompts; vLLM starts cold each time, so DeepInfer must too.
-            enable_prefix_caching=False,
+
+    def deepinfer_engine(enforce_eager: bool) -> Engine:
+        return Engine(
+            EngineConfig(
+                model=str(model_dir),
+                device=args.device,
+                dtype=dtype_name,
+                kv_cache_memory_gb=args.kv_gb,
+                max_num_seqs=64,
+                # Rounds repeat the same prompts; vLLM starts cold each time, so DeepInfer must too.
+                enable_prefix_caching=False,
+                enforce_eager=enforce_eager,
+            )
         )
-    )
+
+    engine = deepinfer_engine(False)
+    # On a GPU, DeepInfer without its CUDA graphs too: what replaying decode steps gains.
+    eager = deepinfer_engine(True) if args.device.startswith("cuda") else None
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
     pad_id = int(config.get("pad_token_id") or 0)
-    run_deepinfer(engine, [Job(jobs["batch32"][0].prompt[:32], 8)], "warmup")
+    # A few decode steps at batch 32 capture that size's graph before anything is timed, as
+    # vLLM captures at start-up; smaller batches (the mixed workload's tail) capture on first use.
+    warmup = [Job(job.prompt, 4) for job in jobs["batch32"]]
+    for deepinfer in (engine, eager):
+        if deepinfer is not None:
+            run_deepinfer(deepinfer, warmup, "warmup")
     run_hf(hf, [Job(jobs["batch32"][0].prompt[:32], 2)], pad_id)
     hf_figures = {workload: run_hf(hf, batch, pad_id) for workload, batch in jobs.items()}
     del hf  # free its memory before vLLM starts
     # DeepInfer and vLLM alternate, `--rounds` times: this machine's speed drifts by 10-20 %
     # over minutes, so a ratio from one run of each would measure the drift.
     ours: dict[str, list[Figures]] = {workload: [] for workload in jobs}
+    ours_eager: dict[str, list[Figures]] = {workload: [] for workload in jobs}
     theirs: dict[str, list[Figures]] = {workload: [] for workload in jobs}
     sgemm: list[float] = []
     for r in range(args.rounds):
         for workload, batch in jobs.items():
             ours[workload].append(run_deepinfer(engine, batch, f"{workload}-{r}"))
+            if eager is not None:
+                ours_eager[workload].append(run_deepinfer(eager, batch, f"{workload}-eager-{r}"))
         sgemm.append(sgemm_step_s(engine))
         for workload, figures in run_vllm(args.vllm_python, model_dir, jobs, args.threads).items():
             theirs[workload].append(figures)
@@ -342,6 +359,7 @@ def bench_model(
     for workload in jobs:
         row: dict[str, Figures | None] = {
             "deepinfer": median_figures(ours[workload]),
+            "eager": median_figures(ours_eager[workload]),
             "hf": hf_figures[workload],
             "vllm": median_figures(theirs[workload]),
         }
@@ -417,6 +435,7 @@ def main() -> None:
         "ratio_vs_hf": ratio(batch["deepinfer"], batch["hf"]),
         "ratio_vs_vllm": ratio(batch["deepinfer"], batch["vllm"]),
         "mixed_ratio_vs_hf": ratio(mixed["deepinfer"], mixed["hf"]) if mixed else None,
+        "ratio_vs_eager": ratio(batch["deepinfer"], batch["eager"]),
         "threads": torch.get_num_threads(),
         "device": where,
         "load_average": _load(),

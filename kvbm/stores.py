@@ -64,14 +64,24 @@ class HostStore:
     """G2: host memory, preallocated. LRU over slots. `tier` is "host" but for the simulated
     stores of the mocker, which stand in for any tier with `block_bytes=0`."""
 
-    def __init__(self, capacity_blocks: int, block_bytes: int, tier: Tier = "host") -> None:
+    def __init__(
+        self, capacity_blocks: int, block_bytes: int, tier: Tier = "host", buffer: memoryview | None = None
+    ) -> None:
+        """`buffer`: writable memory of `capacity_blocks * block_bytes` bytes for the slots (an
+        engine on a GPU passes pinned memory, which the device copies from directly); None
+        allocates it here."""
         if capacity_blocks <= 0:
             raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
         self.tier = tier
         self.capacity_blocks = capacity_blocks
         self.block_bytes = block_bytes
-        self._buffer = bytearray(capacity_blocks * block_bytes)
-        self._view = memoryview(self._buffer)
+        if buffer is None:
+            buffer = memoryview(bytearray(capacity_blocks * block_bytes))
+        buffer = buffer.cast("B")
+        needed = capacity_blocks * block_bytes
+        if buffer.readonly or buffer.nbytes != needed:
+            raise ValueError(f"the slots need {needed} writable bytes, got {buffer.nbytes}")
+        self._view = buffer
         self._slots: OrderedDict[int, int] = OrderedDict()  # seq_hash -> slot, LRU first
         self._free = list(range(capacity_blocks - 1, -1, -1))
         self.available = True  # memory does not go away (RemoteStore)

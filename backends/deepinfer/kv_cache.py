@@ -211,18 +211,29 @@ class PagedKVCache:
         queued: torch.cuda.Event,
         stream: torch.cuda.Stream,
     ) -> None:
-        """Whole payloads into the pinned buffer (one large copy each), one copy of them all
-        to the device, and each tensor's part scattered from there by the GPU: gathering each
-        tensor's few KiB of every payload on the host, as the CPU path does, wrote 3.6 GB/s on
-        an H200 where the pinned link gave 55 (`benchmarks/kv_cache_write.py`; 6.3 this way)."""
+        """Whole payloads to the device, and each tensor's part scattered from there by the GPU:
+        gathering each tensor's few KiB of every payload on the host, as the CPU path does,
+        wrote 3.6 GB/s on an H200 where the pinned link gave 55 (`benchmarks/kv_cache_write.py`).
+        Payloads in pinned memory (the host store's slots on a GPU) are copied from where they
+        are; others go through the pinned staging buffer first (6.3 GB/s there), in one copy."""
         n = len(blocks)
+        # A read-only payload (bytes) is never pinned: only writable arrays are asked.
+        pinned = all(block.flags.writeable and torch.from_numpy(block).is_pinned() for block in blocks)
         with torch.cuda.stream(stream):
             stream.wait_event(queued)
             index.record_stream(stream)
-            rows = self._staging_for(n * self._block_bytes)[: n * self._block_bytes].view(n, -1)
-            np.stack(blocks, out=rows.numpy())
-            on_device = rows.to(self._device, non_blocking=True)
-            self._copied = stream.record_event()
+            if pinned:
+                # The slots are not reused before these copies are done: every layer of the
+                # forward waits for them, and the engine's sampling for the forward, before
+                # anything is put back into the store (HostStore.get).
+                on_device = torch.empty((n, self._block_bytes), dtype=torch.uint8, device=self._device)
+                for row, block in zip(on_device, blocks, strict=True):
+                    row.copy_(torch.from_numpy(block), non_blocking=True)
+            else:
+                rows = self._staging_for(n * self._block_bytes)[: n * self._block_bytes].view(n, -1)
+                np.stack(blocks, out=rows.numpy())
+                on_device = rows.to(self._device, non_blocking=True)
+                self._copied = stream.record_event()
             first = 0
             for layer, end in enumerate(self._layer_ends):
                 for t, offset, nbytes in zip(

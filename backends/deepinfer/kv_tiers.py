@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from backends.deepinfer.config import EngineConfig
 from backends.deepinfer.kv_cache import PagedKVCache
 from kvbm import records
@@ -43,7 +45,14 @@ def build_tiers(config: EngineConfig, cache: PagedKVCache) -> TieredStore | None
             raise ValueError(f"disk_cache_gb={config.disk_cache_gb} holds no KV block of {block_bytes} bytes")
         disk = DiskStore(Path(config.disk_cache_dir), disk_blocks, block_bytes, layout)
     remote = RedisStore(config.redis_url, layout, block_bytes) if config.redis_url else None
-    host = HostStore(host_blocks, block_bytes)
+    # On a GPU the slots are pinned: an onboarding copies each block from its slot to the device
+    # directly (PagedKVCache), with no pass through a staging buffer.
+    arena = None
+    device = cache.tensors[0].device
+    if device.type == "cuda":
+        pinned = torch.empty(host_blocks * block_bytes, dtype=torch.uint8, pin_memory=True)
+        arena = pinned.numpy().data  # a view whose array keeps the tensor alive
+    host = HostStore(host_blocks, block_bytes, buffer=arena)
     # Disk and network I/O off the step thread; host memory alone needs no thread.
     transfer = TransferEngine() if disk is not None or remote is not None else None
     return TieredStore(

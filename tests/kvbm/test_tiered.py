@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from kvbm import metrics, records
 from kvbm.disk import DiskStore
 from kvbm.stores import HostStore
@@ -87,6 +89,20 @@ def test_a_host_hit_is_the_slot_itself_and_holds_until_the_step_ends(tmp_path: P
     store.offload([])
     assert 1 in store.host and 2 in store.host
     assert bytes(store.host.get(1) or b"") == payload(1)
+
+
+def test_host_slots_can_live_in_memory_the_engine_gives() -> None:
+    """A GPU engine hands the host store pinned memory: the slots are that memory, and a hit
+    is a view of it; memory of the wrong size or read-only is refused."""
+    memory = bytearray(2 * BLOCK)
+    host = HostStore(2, BLOCK, buffer=memoryview(memory))
+    host.put(7, payload(7))
+    hit = host.get(7)
+    assert hit is not None and isinstance(hit, memoryview) and hit.obj is memory
+    assert payload(7) in memory
+    for wrong in (memoryview(bytearray(BLOCK)), memoryview(bytes(2 * BLOCK))):
+        with pytest.raises(ValueError, match="writable bytes"):
+            HostStore(2, BLOCK, buffer=wrong)
 
 
 def test_a_damaged_disk_block_is_a_miss_and_counted(tmp_path: Path) -> None:

@@ -58,12 +58,14 @@ class DecodeGraphs:
         block_size: int,
         max_model_len: int,
         max_batch: int,
+        max_workspace_bytes: int,
         scratch_slot: int,
         window: int | None,
         kernels: Callable[[], AbstractContextManager[None]],
         capture: bool,
     ) -> None:
-        """`layers`: the model's attention layers, in cache order; `scratch_slot`: a cache slot
+        """`layers`: the model's attention layers, in cache order; `max_workspace_bytes`: the
+        most the workspaces may take (larger steps run eagerly); `scratch_slot`: a cache slot
         outside every block table; `window`: the sliding window of the layers that have one;
         `kernels`: the attention kernels' context (SDPA's choice)."""
         self.model = model
@@ -76,6 +78,9 @@ class DecodeGraphs:
         self.scratch_slot = scratch_slot
         self.sizes = batch_sizes(max_batch)
         self.max_capacity = -(-max_model_len // block_size) * block_size
+        self.max_workspace_bytes = max_workspace_bytes
+        # Bytes of one position of one workspace row, K and V of every layer.
+        self._position_bytes = sum(layer.cache_bytes_per_token(layer.k_cache.dtype) for layer in layers)
         # ids, positions, slots and context lengths, one column per row
         self._inputs = torch.zeros(4, self.sizes[-1], dtype=torch.long, device=self.device)
         self._workspaces: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -85,8 +90,28 @@ class DecodeGraphs:
         self._pool: Any = None  # the graphs' memory pool
         self.steps = 0  # decode steps run in fixed shapes
 
-    def fits(self, batch: int) -> bool:
-        return batch <= self.sizes[-1]
+    def fits(self, batch: int, longest: int) -> bool:
+        """Whether a decode step of `batch` sequences, the longest `longest` tokens, runs here:
+        within the largest graph, and with workspaces no larger than allowed. (The workspaces
+        copy the decoding sequences' KV, padded to a power of two: a long-context batch of a
+        large model could take more memory than its cache.)"""
+        if batch > self.sizes[-1]:
+            return False
+        rows, capacity = self._shape(self._size(batch), longest)
+        return rows * capacity * self._position_bytes <= self.max_workspace_bytes
+
+    def _size(self, batch: int) -> int:
+        return next(s for s in self.sizes if s >= batch)
+
+    def _shape(self, size: int, longest: int) -> tuple[int, int]:
+        """The workspaces' rows and capacity for a step of `size` rows: the current ones, or
+        grown to hold it (rows at least doubling, so a batch that ramps up re-captures a few
+        times, not at every size)."""
+        rows, capacity = self._num_rows, self._rows.capacity
+        if size > rows:
+            rows = max(size, min(2 * rows, self.sizes[-1]))
+        needed = min(max(_MIN_CAPACITY, self.block_size, 1 << (longest - 1).bit_length()), self.max_capacity)
+        return rows, max(capacity, needed)
 
     def reset(self) -> None:
         """After a failed step: the workspaces may be half written, so every row is rebuilt."""
@@ -100,17 +125,15 @@ class DecodeGraphs:
         tables: list[list[int]],
         lengths: list[int],
     ) -> torch.Tensor:
-        """Float32 logits `[B, vocab]` for a decode step: sequence i's token `ids[i]`, at position
-        `lengths[i] - 1`, stored in slot `slots[i]`, its context in blocks `tables[i]`."""
+        """Float32 logits `[B, vocab]` for a decode step (that `fits`): sequence i's token
+        `ids[i]`, at position `lengths[i] - 1`, stored in slot `slots[i]`, its context in blocks
+        `tables[i]`."""
         n = len(seqs)
         self.steps += 1
-        size = next(s for s in self.sizes if s >= n)
-        capacity = max(_MIN_CAPACITY, 1 << (max(lengths) - 1).bit_length())
-        capacity = min(max(capacity, self.block_size), self.max_capacity)
-        if size > self._num_rows or capacity > self._rows.capacity:
-            # Rows at least double: a batch that ramps up re-captures a few times, not at every size.
-            rows = max(size, min(2 * self._num_rows, self.sizes[-1]))
-            self._grow(rows, max(capacity, self._rows.capacity))
+        size = self._size(n)
+        rows, capacity = self._shape(size, max(lengths))
+        if (rows, capacity) != (self._num_rows, self._rows.capacity):
+            self._grow(rows, capacity)
         keep_from, keep_to, fresh = carry_over(self._rows, seqs, lengths)
         if keep_from != keep_to:
             self._move(keep_from, keep_to)

@@ -203,6 +203,8 @@ class ModelRunner:
             block_size=self.block_size,
             max_model_len=self.max_model_len,
             max_batch=self.config.max_num_seqs,
+            # No more than the cache itself: the workspaces hold a padded copy of part of it.
+            max_workspace_bytes=self.num_kv_blocks * self.block_size * self.kv_bytes_per_token,
             scratch_slot=self.num_kv_blocks * self.block_size,
             window=self._window,
             kernels=self.attention_kernels,
@@ -275,8 +277,8 @@ class ModelRunner:
         lists = self._lists(spans)
         graphs = self.graphs
         # Every chunk one token, sampled, no KV arriving: a decode step a graph can replay.
-        decode_only = len(lists.decode_index) == len(lists.sample_index) == len(spans)
-        if graphs is not None and arrival is None and decode_only and graphs.fits(len(spans)):
+        decode_only = arrival is None and len(lists.decode_index) == len(lists.sample_index) == len(spans)
+        if graphs is not None and decode_only and graphs.fits(len(spans), max(lists.decode_lengths)):
             logits = graphs.run(
                 lists.decode_seqs, lists.ids, lists.slots, lists.decode_tables, lists.decode_lengths
             )

@@ -62,6 +62,23 @@ def test_enforce_eager_turns_the_graphs_off(tiny_llama_dir: Path) -> None:
     assert (make_runner(tiny_llama_dir).graphs is not None) == DEVICE.startswith("cuda")
 
 
+def test_a_step_whose_workspaces_would_outgrow_the_cache_runs_eagerly(tiny_llama_dir: Path) -> None:
+    """The workspaces copy the decoding sequences' KV, padded: no larger than the cache, or
+    the step runs eagerly (as the same logits show)."""
+    runner = graphed(make_runner(tiny_llama_dir, num_kv_blocks=80))  # 320 positions
+    graphs = runner.graphs
+    assert graphs is not None and graphs.fits(1, 256) and not graphs.fits(2, 256)
+    ref = reference(tiny_llama_dir)
+    seqs, blocks = make_seqs(random_prompts(runner.vocab_size, (20, 30), seed=5)), Blocks(runner)
+    logits = step(runner, blocks, [(s, 0, len(s.token_ids), True) for s in seqs])
+    for _ in range(3):
+        for seq, row in zip(seqs, logits, strict=True):
+            torch.testing.assert_close(row, reference_last_logits(ref, seq.token_ids), atol=TINY_ATOL, rtol=0)
+            seq.token_ids.append(int(row.argmax()))
+        logits = step(runner, blocks, [(s, len(s.token_ids) - 1, 1, True) for s in seqs])
+    assert graphs.steps == 0
+
+
 def test_a_changing_batch_matches_transformers(tiny_llama_dir: Path) -> None:
     """Sequences joining (after an eager prefill step), leaving and changing places, batches
     padded to the next graph size, and contexts outgrowing the first workspace (256 positions):

@@ -359,7 +359,7 @@ def bench_model(
     for workload in jobs:
         row: dict[str, Figures | None] = {
             "deepinfer": median_figures(ours[workload]),
-            "eager": median_figures(ours_eager[workload]),
+            **({"eager": median_figures(ours_eager[workload])} if eager is not None else {}),
             "hf": hf_figures[workload],
             "vllm": median_figures(theirs[workload]),
         }
@@ -435,7 +435,7 @@ def main() -> None:
         "ratio_vs_hf": ratio(batch["deepinfer"], batch["hf"]),
         "ratio_vs_vllm": ratio(batch["deepinfer"], batch["vllm"]),
         "mixed_ratio_vs_hf": ratio(mixed["deepinfer"], mixed["hf"]) if mixed else None,
-        "ratio_vs_eager": ratio(batch["deepinfer"], batch["eager"]),
+        "ratio_vs_eager": ratio(batch["deepinfer"], batch.get("eager")),
         "threads": torch.get_num_threads(),
         "device": where,
         "load_average": _load(),

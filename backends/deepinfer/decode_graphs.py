@@ -5,17 +5,18 @@ SmolLM2-135M at batch 32 on an H200 launched about 1,420 kernels for 2.7 ms of G
 a launch cost 7.9 µs eager against 0.85 µs replayed from a graph. vLLM and SGLang capture
 decode steps as CUDA graphs per batch size; this does the same for DeepInfer.
 
-A graph replays fixed shapes at fixed addresses, so a replayed step reads its inputs from
-static buffers (token, position, cache slot and context length per row), padded to the
-captured batch size with copies of row 0 whose K/V go to a scratch slot nothing reads (a
-padding row computes other values than row 0 from the second layer on, so it must not share
-row 0's slot), and attends over a static decode workspace per layer, `[rows, Hk, capacity, d]`, whole: the
-mask hides what lies past each row's context. The workspace rows carry over between steps as
-in the eager path (`forward_batch.carry_over`): before a replay, rows that moved or are new
-are filled in eagerly, the new ones from the paged cache up to the token before this step's;
-the graph appends this step's k/v to every row. Graphs are captured lazily, one per batch
-size for the workspace's capacity, which is a power of two: a batch whose contexts grow
-re-captures a few times.
+A graph replays fixed shapes at fixed addresses, so:
+- a replayed step reads its inputs from static buffers (token, position, cache slot and
+  context length per row), padded to the captured batch size with copies of row 0 whose K/V
+  go to a scratch slot nothing reads (a padding row computes other values than row 0 from the
+  second layer on, so it must not share row 0's slot);
+- it attends over a static decode workspace per layer, `[rows, Hk, capacity, d]`, whole: the
+  mask hides what lies past each row's context. The rows carry over between steps as in the
+  eager path (`forward_batch.carry_over`): before a replay, rows that moved or are new are
+  filled in eagerly, the new ones from the paged cache up to the token before this step's;
+  the graph appends this step's k/v to every row;
+- graphs are captured lazily, one per batch size for the workspace's capacity, which is a
+  power of two: a batch whose contexts grow re-captures a few times.
 
 `capture=False` runs the same fixed-shape step eagerly: on a CPU, where the tests check it
 against the eager path.

@@ -10,25 +10,20 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from backends.deepinfer.args import deepinfer_config_from_args
 from backends.deepinfer.decode_graphs import batch_sizes
 from backends.deepinfer.model_runner import ModelRunner
-from backends.deepinfer.sequence import Sequence
 from backends.deepinfer.tiny import build_checkpoint
 from backends.registry import add_backend_arguments
 from tests.deepinfer.device import DEVICE
 from tests.deepinfer.test_engine import generated, make_engine, request, run
 from tests.deepinfer.test_models import (
-    TINY_ATOL,
-    Blocks,
+    assert_a_changing_batch_matches,
+    assert_decoding_matches,
     make_runner,
-    make_seqs,
     random_prompts,
     reference,
-    reference_last_logits,
-    step,
 )
 
 pytest.importorskip("transformers")
@@ -68,14 +63,8 @@ def test_a_step_whose_workspaces_would_outgrow_the_cache_runs_eagerly(tiny_llama
     runner = graphed(make_runner(tiny_llama_dir, num_kv_blocks=80))  # 320 positions
     graphs = runner.graphs
     assert graphs is not None and graphs.fits(1, 256) and not graphs.fits(2, 256)
-    ref = reference(tiny_llama_dir)
-    seqs, blocks = make_seqs(random_prompts(runner.vocab_size, (20, 30), seed=5)), Blocks(runner)
-    logits = step(runner, blocks, [(s, 0, len(s.token_ids), True) for s in seqs])
-    for _ in range(3):
-        for seq, row in zip(seqs, logits, strict=True):
-            torch.testing.assert_close(row, reference_last_logits(ref, seq.token_ids), atol=TINY_ATOL, rtol=0)
-            seq.token_ids.append(int(row.argmax()))
-        logits = step(runner, blocks, [(s, len(s.token_ids) - 1, 1, True) for s in seqs])
+    prompts = random_prompts(runner.vocab_size, (20, 30), seed=5)
+    assert_decoding_matches(runner, reference(tiny_llama_dir), prompts, 3)
     assert graphs.steps == 0
 
 
@@ -84,40 +73,19 @@ def test_a_changing_batch_matches_transformers(tiny_llama_dir: Path) -> None:
     padded to the next graph size, and contexts outgrowing the first workspace (256 positions):
     every row must read its own K/V."""
     runner, ref = graphed(make_runner(tiny_llama_dir)), reference(tiny_llama_dir)
-    a, b, c, d = make_seqs(random_prompts(runner.vocab_size, (5, 240, 9, 30), seed=3))
-    blocks = Blocks(runner, seed=8)
-    batch: list[Sequence] = [a, b, d]
-    logits = step(runner, blocks, [(s, 0, len(s.token_ids), True) for s in batch])
-    for i in range(24):  # b: 240 + 24 tokens, past the first workspace
-        for seq, row in zip(batch, logits, strict=True):
-            torch.testing.assert_close(row, reference_last_logits(ref, seq.token_ids), atol=TINY_ATOL, rtol=0)
-            seq.token_ids.append(int(row.argmax()))
-        chunks = [(s, len(s.token_ids) - 1, 1, True) for s in batch]
-        if i == 2:  # c joins with its prefill: an eager step; it decodes from the next one on
-            chunks.append((c, 0, len(c.token_ids), True))
-            batch = [*batch, c]
-        elif i == 6:  # a leaves
-            chunks, batch = chunks[1:], batch[1:]
-        elif i == 9:  # the others change places
-            chunks, batch = chunks[::-1], batch[::-1]
-        logits = step(runner, blocks, chunks)
-    assert runner.graphs is not None and runner.graphs._rows.capacity == 512
+    prompts = random_prompts(runner.vocab_size, (5, 240, 9, 30), seed=3)
+    assert_a_changing_batch_matches(runner, ref, prompts, 24)  # 240 + 24: past the first workspace
+    assert runner.graphs is not None and runner.graphs._rows.capacity == 512 and runner.graphs.steps > 0
 
 
 def test_a_sliding_window_model_matches_transformers_past_its_window(tmp_path: Path) -> None:
-    window = 8
     model_dir = build_checkpoint(
-        tmp_path, "llama", architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=window
+        tmp_path, "llama", architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=8
     )
-    runner, ref = graphed(make_runner(model_dir)), reference(model_dir)
-    seqs = make_seqs(random_prompts(runner.vocab_size, (20, 5, 13), seed=2))
-    blocks = Blocks(runner)
-    logits = step(runner, blocks, [(s, 0, len(s.token_ids), True) for s in seqs])
-    for _ in range(12):
-        for seq, row in zip(seqs, logits, strict=True):
-            torch.testing.assert_close(row, reference_last_logits(ref, seq.token_ids), atol=TINY_ATOL, rtol=0)
-            seq.token_ids.append(int(row.argmax()))
-        logits = step(runner, blocks, [(s, len(s.token_ids) - 1, 1, True) for s in seqs])
+    runner = graphed(make_runner(model_dir))
+    prompts = random_prompts(runner.vocab_size, (20, 5, 13), seed=2)
+    assert_decoding_matches(runner, reference(model_dir), prompts, 12)
+    assert runner.graphs is not None and runner.graphs.steps == 12
 
 
 def test_the_engine_gives_the_eager_engines_greedy_output(tiny_qwen2_dir: Path) -> None:

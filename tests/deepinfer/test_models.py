@@ -198,27 +198,38 @@ def test_chunked_prefill_in_a_mixed_batch_gives_the_same_logits(tiny_llama_dir: 
     torch.testing.assert_close(second[1], expected, atol=TINY_ATOL, rtol=0)
 
 
-def test_decode_batch_that_changes_every_few_steps_matches_transformers(tiny_llama_dir: Path) -> None:
-    """The decode workspaces carry rows over between steps: sequences joining, leaving and
-    changing places, and contexts outgrowing the workspace, must all read the right K/V."""
-    runner, ref = make_runner(tiny_llama_dir), reference(tiny_llama_dir)
-    a, b, c = make_seqs(random_prompts(runner.vocab_size, (5, 13, 9), seed=3))
+def assert_a_changing_batch_matches(
+    runner: ModelRunner, ref: Any, prompts: list[list[int]], steps: int
+) -> None:
+    """The prompts but the third prefill together and decode `steps` times; the third joins
+    with its prefill after 3 steps, the first leaves after 7, the rest change places after
+    10. Every step's logits are transformers' for the same tokens."""
+    seqs = make_seqs(prompts)
+    joining = seqs[2]
+    batch: list[Sequence] = [seqs[0], seqs[1], *seqs[3:]]
     blocks = Blocks(runner, seed=8)
-    batch: list[Sequence] = [a, b]
     logits = step(runner, blocks, [(s, 0, len(s.token_ids), True) for s in batch])
-    for i in range(40):  # 13 + 40 tokens: past the first workspace's 8 spare blocks of 4
+    for i in range(steps):
         for seq, row in zip(batch, logits, strict=True):
             torch.testing.assert_close(row, reference_last_logits(ref, seq.token_ids), atol=TINY_ATOL, rtol=0)
             seq.token_ids.append(int(row.argmax()))
         chunks = [(s, len(s.token_ids) - 1, 1, True) for s in batch]
-        if i == 2:  # c joins with its prefill; it decodes from the next step on
-            chunks.append((c, 0, len(c.token_ids), True))
-            batch = [*batch, c]
-        elif i == 6:  # a leaves
+        if i == 2:  # the third joins with its prefill; it decodes from the next step on
+            chunks.append((joining, 0, len(joining.token_ids), True))
+            batch = [*batch, joining]
+        elif i == 6:  # the first leaves
             chunks, batch = chunks[1:], batch[1:]
         elif i == 9:  # the others change places
             chunks, batch = chunks[::-1], batch[::-1]
         logits = step(runner, blocks, chunks)
+
+
+def test_decode_batch_that_changes_every_few_steps_matches_transformers(tiny_llama_dir: Path) -> None:
+    """The decode workspaces carry rows over between steps: sequences joining, leaving and
+    changing places, and contexts outgrowing the workspace, must all read the right K/V."""
+    runner, ref = make_runner(tiny_llama_dir), reference(tiny_llama_dir)
+    prompts = random_prompts(runner.vocab_size, (5, 13, 9), seed=3)
+    assert_a_changing_batch_matches(runner, ref, prompts, 40)  # 13 + 40: past the workspace's 8 spare blocks
 
 
 def test_prefill_over_shared_prefix_blocks(tiny_llama_dir: Path) -> None:

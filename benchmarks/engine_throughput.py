@@ -331,9 +331,13 @@ def bench_model(
     eager = deepinfer_engine(True) if args.device.startswith("cuda") else None
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
     pad_id = int(config.get("pad_token_id") or 0)
-    # A few decode steps at batch 32 capture that size's graph before anything is timed, as
-    # vLLM captures at start-up; smaller batches (the mixed workload's tail) capture on first use.
-    warmup = [Job(job.prompt, 4) for job in jobs["batch32"]]
+    # On a GPU, a few decode steps at batch 32 capture that size's graph before anything is
+    # timed, as vLLM captures at start-up; smaller batches (the mixed workload's tail) capture
+    # on first use. A CPU has no graphs: one short request warms it.
+    batch32 = jobs["batch32"]
+    warmup = [Job(batch32[0].prompt[:32], 8)]
+    if eager is not None:
+        warmup = [Job(job.prompt, 4) for job in batch32]
     for deepinfer in (engine, eager):
         if deepinfer is not None:
             run_deepinfer(deepinfer, warmup, "warmup")

@@ -87,7 +87,7 @@ class DecodeGraphs:
         self._workspaces: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._rows = DecodeRows()  # what the workspaces' rows hold
         self._num_rows = 0
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # size -> graph, its logits
         self._pool: Any = None  # the graphs' memory pool
         self.steps = 0  # decode steps run in fixed shapes
 
@@ -145,11 +145,10 @@ class DecodeGraphs:
         columns = [ids + ids[:1] * pad, positions + positions[:1] * pad]
         columns += [slots + [self.scratch_slot] * pad, lengths + lengths[:1] * pad]
         self._inputs[:, :size].copy_(torch.tensor(columns, dtype=torch.long))
+        if not self.capture:
+            return self._step(size)[:n]
         graph, logits = self._graphs.get(size) or self._capture(size)
-        if graph is None:
-            logits = self._step(size)
-        else:
-            graph.replay()
+        graph.replay()
         return logits[:n].clone()  # the next replay overwrites the graph's output
 
     # ------------------------------------------------------------------ workspaces
@@ -224,9 +223,7 @@ class DecodeGraphs:
         with self.kernels():
             return self.model.compute_logits(self.model(batch)).float()
 
-    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor]:
-        if not self.capture:
-            return None, torch.empty(0)
+    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # A first run outside the capture, on a side stream as torch's docs ask: it sets up what
         # kernels initialise lazily. It writes what the replay will write again.
         stream = torch.cuda.Stream(self.device)

@@ -363,7 +363,7 @@ class ModelRunner:
     def prepare(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         """Flatten the chunks' tokens (and drafts) and build their cache slots and attention
         spans; the rows returned are each sampling chunk's last known token and its drafts."""
-        return self._tensors(self._lists(self._spans(chunks)), self._rows)
+        return self._batch(self._spans(chunks), self._rows)
 
     def _spans(self, chunks: list[ScheduledChunk]) -> list[_Span]:
         spans: list[_Span] = []

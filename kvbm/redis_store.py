@@ -19,11 +19,13 @@ first means a block that expires during the scan is reported removed after it wa
 stored. Every worker of the model reports the same blocks, and the router's index takes a
 remote store or removal for every worker at once and is idempotent for both, so the
 duplicates cost only their messages. Notifications sent while the thread is disconnected
-are lost (Redis keeps none), so after each reconnect it scans again; a block Redis dropped
-meanwhile (or lost in a restart) stays credited until Redis drops a later copy of it, a
-routing miss the worker recomputes. A snapshot does not list the store, which would make it
-G4's size: `hashes()` is [] and has the watcher scan again, so the remote part of a worker's
-snapshot follows it as events, which the router applies after it (their event ids are later).
+are lost (Redis keeps none), and so are the blocks of a Redis that restarted empty, so after
+each reconnect it reports the tier cleared (`cleared`: the router forgets G4 for every worker
+of the model) and then scans again: what Redis dropped meanwhile stops being credited, and
+what it still holds is credited again as the scan reports it. A snapshot does not list the
+store, which would make it G4's size: `hashes()` is [] and has the watcher scan again, so the
+remote part of a worker's snapshot follows it as events, which the router applies after it
+(their event ids are later).
 
 The store is a cache, so Redis being down must cost hit rate, never a step: the first
 connection error or timeout switches the store off (one warning), every call is then a miss
@@ -83,6 +85,7 @@ PIPELINE_BYTES = 16 << 20
 
 _T = TypeVar("_T")
 Report = Callable[[list[int]], None]
+Cleared = Callable[[], None]
 
 
 class RedisStore:
@@ -208,13 +211,15 @@ class RedisStore:
         self._rescan.set()
         return []
 
-    def watch(self, stored: Report, removed: Report) -> None:
+    def watch(self, stored: Report, removed: Report, cleared: Cleared) -> None:
         """Report, from a daemon thread that `close` stops, the layout's blocks found in
-        Redis (`stored`) and those it expires or evicts (`removed`), in batches."""
+        Redis (`stored`) and those it expires or evicts (`removed`), in batches; and, before
+        the scan that follows each reconnect, that what was reported before may be gone
+        (`cleared`)."""
         if self._watcher is not None:
             raise RuntimeError("the store is already watched")
         self._watcher = threading.Thread(
-            target=self._watch, args=(stored, removed), name="weir-kv-redis-watch", daemon=True
+            target=self._watch, args=(stored, removed, cleared), name="weir-kv-redis-watch", daemon=True
         )
         self._watcher.start()
 
@@ -224,13 +229,14 @@ class RedisStore:
             self._watcher.join(timeout=10)
         self._client.close()
 
-    def _watch(self, stored: Report, removed: Report) -> None:
+    def _watch(self, stored: Report, removed: Report, cleared: Cleared) -> None:
         """Subscribe and scan, then report notifications until closed; on a lost connection,
         the same again after a back-off (1 s doubling to 30 s), logged once per outage."""
         db = self._client.connection_pool.connection_kwargs.get("db", 0)
         channels = [f"__keyevent@{db}__:expired", f"__keyevent@{db}__:evicted"]
         backoff_s = BACKOFF_START_S
         connected = True
+        watched = False  # subscribed before: notifications since then may have been missed
         while not self._closed.is_set():
             pubsub = self._client.pubsub(ignore_subscribe_messages=True)
             try:
@@ -239,7 +245,10 @@ class RedisStore:
                 if not connected:
                     log.info("KV store %s answers again: watching its expiries and evictions", self.url)
                 connected, backoff_s = True, BACKOFF_START_S
-                self._rescan.set()  # notifications missed while away are lost: scan instead
+                if watched:
+                    cleared()  # removals missed while away are lost: forget all, then scan
+                watched = True
+                self._rescan.set()
                 while not self._closed.is_set():
                     if self._rescan.is_set():
                         self._rescan.clear()

@@ -54,9 +54,16 @@ class RemoteStore(KvStore, Protocol):
 
     def put_many(self, items: list[tuple[int, Payload]]) -> None: ...
 
-    def watch(self, stored: Callable[[list[int]], None], removed: Callable[[list[int]], None]) -> None:
+    def watch(
+        self,
+        stored: Callable[[list[int]], None],
+        removed: Callable[[list[int]], None],
+        cleared: Callable[[], None],
+    ) -> None:
         """Report, from a thread of the store's own, the blocks it holds that no call of this
-        worker stored (`stored`) and those it drops by itself (`removed`)."""
+        worker stored (`stored`), those it drops by itself (`removed`), and that it may have
+        dropped any block unreported (`cleared`: after losing track, before reporting again
+        what it holds)."""
         ...
 
 
@@ -127,7 +134,12 @@ class HostStore:
         for seq_hash, payload in items:
             self.put(seq_hash, payload)
 
-    def watch(self, stored: Callable[[list[int]], None], removed: Callable[[list[int]], None]) -> None:
+    def watch(
+        self,
+        stored: Callable[[list[int]], None],
+        removed: Callable[[list[int]], None],
+        cleared: Callable[[], None],
+    ) -> None:
         """Nothing to report (RemoteStore): memory drops a block only when a `put` evicts it."""
 
     def pop_oldest(self) -> tuple[int, Payload] | None:

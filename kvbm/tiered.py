@@ -15,7 +15,8 @@ Policy, learned from NVIDIA Dynamo's KVBM and LMCache without copying either:
 - Every store and removal in a tier is a KV event with that tier: the router credits a worker
   for blocks it can load (router/cost.py), and a G4 block for every worker of the model. The
   remote store's own thread adds the events no call here makes (`RemoteStore.watch`): the
-  blocks Redis expires or evicts by itself, and those it held before this worker started.
+  blocks Redis expires or evicts by itself, those it held before this worker started, and,
+  after the thread lost track of Redis, the remote tier cleared before it reports again.
   A snapshot holds no remote blocks (`RedisStore.hashes`): they follow it as events.
 
 - Host memory is read and written on the engine's step thread. A host hit is a view of its
@@ -50,7 +51,7 @@ from kvbm import metrics
 from kvbm.records import Payload
 from kvbm.stores import HostStore, KvStore, RemoteStore
 from kvbm.transfer import TransferEngine
-from orchestrator.runtime.protocol import BlockRemoved, BlockStored, KvEvent, Tier
+from orchestrator.runtime.protocol import AllCleared, BlockRemoved, BlockStored, KvEvent, Tier
 
 # One fetched block: (seq_hash, the tier it came from, its payload).
 Fetched = tuple[int, Tier, Payload]
@@ -103,6 +104,7 @@ class TieredStore:
             remote.watch(
                 lambda hashes: self._event(BlockStored(blocks=hashes, tier="remote")),
                 lambda hashes: self._event(BlockRemoved(seq_hashes=hashes, tier="remote")),
+                lambda: self._event(AllCleared(tier="remote")),
             )
 
     # ------------------------------------------------------------------ device -> tiers

@@ -98,6 +98,13 @@ class BlockIndex:
             tier_blocks.clear()
         worker.lower_count = 0
 
+    def clear_tier(self, worker_id: str, tier: Tier) -> None:
+        """Forget what one tier of a worker holds: of every worker, for the shared remote tier."""
+        if worker_id not in self._workers:
+            return
+        for other in list(self._workers) if tier == "remote" else [worker_id]:
+            self._remove(other, list(self._workers[other].tiers[tier]), tier)
+
     def workers(self) -> list[str]:
         return list(self._workers)
 

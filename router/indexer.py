@@ -137,7 +137,10 @@ class KvIndexer:
                 self.blocks.remove(worker_id, event.seq_hashes, event.tier)
                 self.blocks_applied += len(event.seq_hashes)
             elif isinstance(event, AllCleared):
-                self.blocks.clear_worker(worker_id)
+                if event.tier is None:
+                    self.blocks.clear_worker(worker_id)
+                else:
+                    self.blocks.clear_tier(worker_id, event.tier)
         self.events_applied += len(batch.events)
 
     # ------------------------------------------------------------------ lookups

@@ -176,8 +176,10 @@ class BlockRemoved(msgspec.Struct, tag="removed", kw_only=True, omit_defaults=Tr
     tier: Tier = "device"
 
 
-class AllCleared(msgspec.Struct, tag="cleared"):
-    pass
+class AllCleared(msgspec.Struct, tag="cleared", kw_only=True, omit_defaults=True):
+    """Every block of one tier is gone, or of every tier when `tier` is None."""
+
+    tier: Tier | None = None
 
 
 KvEvent = BlockStored | BlockRemoved | AllCleared

@@ -17,8 +17,9 @@ from kvbm import redis_store
 from kvbm.redis_store import RedisStore
 from kvbm.stores import HostStore
 from kvbm.tiered import TieredStore
-from orchestrator.runtime.protocol import BlockRemoved, BlockStored
+from orchestrator.runtime.protocol import BlockRemoved, BlockStored, KvEventBatch, KvSnapshot
 from router.block_index import BlockIndex
+from router.indexer import KvIndexer
 from tests.kvbm.redis_server import redis_on
 from tests.kvbm.threads import WAIT_S
 from tests.waiting import wait_until
@@ -38,6 +39,7 @@ class Reports:
         self.lock = threading.Lock()
         self.stored: list[list[int]] = []
         self.removed: list[list[int]] = []
+        self.cleared = 0
         self.gate = threading.Event()  # cleared: the watcher is held in its first removed report
         self.gate.set()
 
@@ -49,6 +51,10 @@ class Reports:
         self.gate.wait(WAIT_S)
         with self.lock:
             self.removed.append(hashes)
+
+    def on_cleared(self) -> None:
+        with self.lock:
+            self.cleared += 1
 
     def all_stored(self) -> list[int]:
         with self.lock:
@@ -63,7 +69,7 @@ def watching(url: str, **kwargs: int) -> tuple[RedisStore, Reports]:
     """A watched store, once its watcher listens for both kinds of notification."""
     store = RedisStore(url, LAYOUT, BLOCK, **kwargs)
     reports = Reports()
-    store.watch(reports.on_stored, reports.on_removed)
+    store.watch(reports.on_stored, reports.on_removed, reports.on_cleared)
     wait_until(lambda: subscribed(url), "the watcher to subscribe")
     return store, reports
 
@@ -128,6 +134,7 @@ def test_a_store_opened_later_reports_the_blocks_redis_holds(url: str) -> None:
     # A snapshot lists none of them, and has them reported again.
     assert second.hashes() == []
     wait_until(lambda: set(Counter(reports.all_stored()).values()) == {2}, "the rescan to be reported")
+    assert reports.cleared == 0  # it never lost track: nothing to forget
     for store in (first, other, second):
         store.close()
 
@@ -163,6 +170,7 @@ def test_the_watcher_comes_back_with_redis(
         wait_until(lambda: store.get(1) is None and store.available, "the store to come back")
         store.put(1, block(1))
         wait_until(lambda: reports.all_removed() == [1], "the expiry after the restart to be reported")
+        assert reports.cleared == 1  # the fresh server holds nothing it reported before
         assert "watching its expiries and evictions" in caplog.text
         store.close()
 
@@ -193,4 +201,39 @@ def test_the_router_drops_an_expired_block_for_every_worker(url: str) -> None:
 
     wait_until(gone, "the expiry to reach the index")
     assert index.blocks_of("b") == {} and index.blocks_of("a") == {"host": {7}}
+    tiers.close()
+
+
+def test_blocks_redis_dropped_while_unwatched_stop_being_credited(url: str) -> None:
+    # Worker a's store reports block 7 and 9 as stored. Redis then drops 9 without a
+    # notification (a DEL, as a restart or an eviction while nobody listens would), and the
+    # watcher loses its connection: once it is back, the router credits 7 and no longer 9.
+    remote = RedisStore(url, LAYOUT, BLOCK)
+    tiers = TieredStore(HostStore(8, BLOCK), remote=remote)
+    wait_until(lambda: subscribed(url), "the watcher to subscribe")
+    indexer = KvIndexer()
+    for worker in ("a", "b"):
+        indexer.apply_snapshot(KvSnapshot(worker_id=worker, event_id=0, blocks={}))
+    event_id = 0
+
+    def publish() -> None:
+        nonlocal event_id
+        events = tiers.take_events()
+        if events:
+            event_id += 1
+            indexer.apply_batch(KvEventBatch(worker_id="a", event_id=event_id, events=events))
+
+    tiers.offload([(7, block(7)), (9, block(9))])
+    publish()
+    assert indexer.find_matches([7]).blocks == indexer.find_matches([9]).blocks == {"a": 1, "b": 1}
+    raw = redis.Redis.from_url(url)
+    assert raw.delete(remote.key(9)) == 1
+    raw.client_kill_filter(_type="pubsub")
+
+    def only_7_remote() -> bool:
+        publish()
+        return indexer.blocks.blocks_of("b") == {"remote": {7}}
+
+    wait_until(only_7_remote, "the reconnected watcher's clear and rescan to reach the index")
+    assert indexer.find_matches([9]).blocks == {"a": 1}  # a still holds 9 in host memory
     tiers.close()

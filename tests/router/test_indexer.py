@@ -91,6 +91,22 @@ def test_in_order_batches_apply_and_duplicates_are_ignored() -> None:
     assert indexer.find_matches([1]).blocks == {}
 
 
+def test_a_cleared_tier_forgets_that_tier_alone_and_remote_for_every_worker() -> None:
+    indexer = KvIndexer()
+    indexer.apply_batch(batch("a", 1, BlockStored(blocks=[1, 2]), BlockStored(blocks=[3], tier="host")))
+    indexer.apply_batch(batch("b", 1, BlockStored(blocks=[1])))
+    indexer.apply_batch(batch("a", 2, BlockStored(blocks=[8, 9], tier="remote")))
+    assert indexer.blocks.blocks_of("b") == {"device": {1}, "remote": {8, 9}}
+    indexer.apply_batch(batch("a", 3, AllCleared(tier="host")))
+    assert indexer.blocks.blocks_of("a") == {"device": {1, 2}, "remote": {8, 9}}
+    assert indexer.find_matches([1, 2, 3]).blocks == {"a": 2, "b": 1}
+    # One worker's store lost track of the shared tier: no worker is credited with it.
+    indexer.apply_batch(batch("a", 4, AllCleared(tier="remote")))
+    assert indexer.blocks.blocks_of("a") == {"device": {1, 2}}
+    assert indexer.blocks.blocks_of("b") == {"device": {1}}
+    assert indexer.find_matches([8]).blocks == {}
+
+
 def test_gap_asks_for_snapshot_and_held_back_batches_follow_it() -> None:
     indexer = KvIndexer()
     indexer.apply_batch(batch("w", 1, BlockStored(blocks=[1])))
@@ -136,6 +152,7 @@ EVENT = st.one_of(
     st.builds(lambda b, t: BlockStored(blocks=b, tier=t), SOME, TIER),
     st.builds(lambda b, t: BlockRemoved(seq_hashes=b, tier=t), SOME, TIER),
     st.just(AllCleared()),
+    st.builds(lambda t: AllCleared(tier=t), TIER),
 )
 
 

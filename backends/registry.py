@@ -139,12 +139,14 @@ def served_name(args: argparse.Namespace, model_dir: Path) -> str:
     return DEFAULT_MODEL if args.model == DEFAULT_MODEL else model_dir.name
 
 
-def make_engine(args: argparse.Namespace, model_dir: Path, role: Role = "aggregated") -> Engine:
+def make_engine(args: argparse.Namespace, model_dir: Path, role: Role, worker_id: str) -> Engine:
     """The engine `args` ask for, serving `model_dir` (from `resolve_model`) under
-    `served_name(args, model_dir)` in `role`. Raises ValueError for an unknown backend, a role
-    it cannot serve or flags it rejects."""
+    `served_name(args, model_dir)` in `role`, for the worker `worker_id` (its instance id, which
+    the engine's own metrics carry too). Raises ValueError for an unknown backend, a role it
+    cannot serve or flags it rejects."""
     spec = backend_spec(args.backend)
     if role not in spec.roles:
         raise ValueError(f"the {args.backend} backend serves role {' or '.join(spec.roles)}, not {role}")
     unset = {dest: default for dest, default in spec.defaults.items() if getattr(args, dest) is None}
-    return spec.build(argparse.Namespace(**(vars(args) | unset)), model_dir, served_name(args, model_dir))
+    built = argparse.Namespace(**(vars(args) | unset | {"worker_id": worker_id}))
+    return spec.build(built, model_dir, served_name(args, model_dir))

@@ -2,11 +2,11 @@
 found its block there, how long moves took, and what failed (a failure is also a miss).
 
 Every series carries `worker`, which tells apart the engines of one process (`weir serve
---workers N` runs N, and a replay runs one mocker per worker): each `TieredStore` takes
-`worker_label(name)` when it is built, `<name>-<n>`, where the name is the served model's
-for DeepInfer and `kvbm` by default, and n counts the tier sets built in this process. It is
-not the worker host's instance id of the `weir_worker_*` series: an engine builds its tiers
-before a host names it.
+--workers N` runs N, and a replay runs one mocker per worker): the instance id of the worker
+that serves the engine, as in the `weir_worker_*` series (`weir worker` and `weir serve`
+choose it before they build the engine, and hand it to the engine's tiers), so the two join.
+An engine no worker serves (a replay's mocker, a benchmark's) takes `worker_label(name)`,
+`<name>-<n>`, where n counts the tier sets built in this process.
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ Policy, learned from NVIDIA Dynamo's KVBM and LMCache without copying either:
 A block a tier cannot return intact is a miss (the engine recomputes it), counted in
 `weir_kvbm_errors_total`. Nothing here touches torch: payloads are bytes, or views of host
 memory (none at all in the mocker's simulated stores, which keep only hashes). Every metric
-carries this store's `worker` label (metrics.py), built from `name`.
+carries this store's `worker` label (metrics.py): the instance id of the worker that serves
+the engine (`worker_id`), or one built from `name` for an engine no worker serves.
 """
 
 from __future__ import annotations
@@ -83,8 +84,9 @@ class TieredStore:
         disk_min_reuse: int = 1,
         transfer: TransferEngine | None = None,
         name: str = "kvbm",
+        worker_id: str = "",
     ) -> None:
-        self.worker = metrics.worker_label(name)
+        self.worker = worker_id or metrics.worker_label(name)
         self.host = host
         self.disk = disk
         self.remote = remote

@@ -6,6 +6,7 @@ import torch."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -160,7 +161,8 @@ def deepinfer_config_from_args(args: argparse.Namespace, model_dir: Path, served
 def _build(args: argparse.Namespace, model_dir: Path, served_name: str) -> Engine:
     from backends.deepinfer.worker import DeepInferWorker  # torch, once DeepInfer is the backend
 
-    return DeepInferWorker(deepinfer_config_from_args(args, model_dir, served_name))
+    config = deepinfer_config_from_args(args, model_dir, served_name)
+    return DeepInferWorker(dataclasses.replace(config, worker_id=args.worker_id))
 
 
 SPEC = BackendSpec(

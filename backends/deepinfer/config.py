@@ -10,6 +10,7 @@ from typing import Literal
 class EngineConfig:
     model: str = ""  # checkpoint directory (config.json, *.safetensors, tokenizer.json)
     served_model_name: str = ""
+    worker_id: str = ""  # the serving worker's instance id: the `worker` of its weir_kvbm_* series
     device: str = "auto"  # "auto" picks cuda when torch sees a GPU, else cpu
     dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu
     block_size: int = 16

@@ -62,4 +62,5 @@ def build_tiers(config: EngineConfig, cache: PagedKVCache) -> TieredStore | None
         disk_min_reuse=config.disk_cache_min_reuse,
         transfer=transfer,
         name=name,
+        worker_id=config.worker_id,
     )

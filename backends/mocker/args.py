@@ -86,7 +86,9 @@ def _build(args: argparse.Namespace, model_dir: Path, served_name: str) -> Engin
     """A mocker shaped like the model in `model_dir` where the flags leave it open."""
     shape = {key: value for key, value in _model_shape(model_dir).items() if getattr(args, key, None) is None}
     return MockerEngine(
-        mocker_config_from_args(args, model_name=served_name, model_path=str(model_dir), **shape)
+        mocker_config_from_args(
+            args, model_name=served_name, model_path=str(model_dir), worker_id=args.worker_id, **shape
+        )
     )
 
 

@@ -14,6 +14,7 @@ OUTPUT_LENGTH_DISTRIBUTIONS: tuple[str, ...] = get_args(OutputLengthDistribution
 @dataclass(slots=True)
 class MockerConfig:
     model_name: str = "mocker"
+    worker_id: str = ""  # the serving worker's instance id: the `worker` of its weir_kvbm_* series
     model_path: str | None = None  # tokenizer directory the frontend reads; the mocker never does
     num_blocks: int = 16_384
     block_size: int = 64

@@ -269,7 +269,11 @@ def _tiers(config: MockerConfig, shared: RemoteStore | None) -> TieredStore | No
         return None
     disk = HostStore(config.disk_cache_blocks, 0, tier="disk") if config.disk_cache_blocks else None
     return TieredStore(
-        HostStore(config.host_cache_blocks, 0), disk=disk, remote=shared, name=config.model_name
+        HostStore(config.host_cache_blocks, 0),
+        disk=disk,
+        remote=shared,
+        name=config.model_name,
+        worker_id=config.worker_id,
     )
 
 

@@ -71,11 +71,13 @@ def run(args: argparse.Namespace) -> int:
     config = frontend_config(args, NAMESPACE)
     try:
         model_dir = resolve_model(args.model)
-        engines = [with_role(make_engine(args, model_dir, role), role) for role in roles]
+        workers = {
+            worker_id: with_role(make_engine(args, model_dir, role, worker_id), role)
+            for worker_id, role in zip(_ids(roles), roles, strict=True)
+        }
     except (ValueError, OSError) as exc:
         print(f"weir serve: {exc}", file=sys.stderr)
         return 2
-    workers = dict(zip(_ids(roles), engines, strict=True))
     return run_until_stopped(lambda stop: _serve(args, config, workers, model_dir, stop))
 
 

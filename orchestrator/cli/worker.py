@@ -34,7 +34,7 @@ from orchestrator.runtime.events import make_event_plane
 from orchestrator.runtime.kv_fabric import FABRICS, KvFabric, make_fabric
 from orchestrator.runtime.protocol import KvEventBatch, KvSnapshot, LoadReport, ModelCard, Role, WorkerRequest
 from orchestrator.runtime.request_plane import advertised_host
-from orchestrator.runtime.worker_host import WorkerHost, serve_workers
+from orchestrator.runtime.worker_host import WorkerHost, default_instance_id, serve_workers
 
 ROLES: tuple[Role, ...] = get_args(Role)
 
@@ -122,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
         if args.kv_transport != "tcp":
             fabric = make_fabric(args.kv_transport, advertised_host(args.host, args.advertise_host))
         model_dir = resolve_model(args.model)
-        engine = with_role(make_engine(args, model_dir, args.role), args.role)
+        args.instance_id = args.instance_id or default_instance_id()
+        engine = with_role(make_engine(args, model_dir, args.role, args.instance_id), args.role)
     except (ValueError, OSError) as exc:
         print(f"weir worker: {exc}", file=sys.stderr)
         return 2

@@ -73,13 +73,13 @@ def test_each_backends_flags_parse_beside_the_others(name: str) -> None:
 @pytest.mark.parametrize("name", CONFIGS)
 def test_shared_flags_take_each_backends_own_default(name: str, model_dir: Path) -> None:
     argv = ["--backend", name, "--model", str(model_dir)]
-    config = built_config(make_engine(backend_parser().parse_args(argv), model_dir))
+    config = built_config(make_engine(backend_parser().parse_args(argv), model_dir, "aggregated", "w"))
     defaults = CONFIGS[name]()
     assert {dest: getattr(config, dest) for dest in SHARED_FLAGS} == {
         dest: getattr(defaults, dest) for dest in SHARED_FLAGS
     }
     given = backend_parser().parse_args([*argv, "--block-size", "32", "--max-num-seqs", "4"])
-    config = built_config(make_engine(given, model_dir))
+    config = built_config(make_engine(given, model_dir, "aggregated", "w"))
     assert (config.block_size, config.max_num_seqs) == (32, 4)
     assert config.max_num_batched_tokens == defaults.max_num_batched_tokens
 
@@ -90,7 +90,7 @@ def test_an_unknown_backend_is_refused(model_dir: Path) -> None:
     args = backend_parser().parse_args([])
     args.backend = "llamacpp"
     with pytest.raises(ValueError, match="unknown backend 'llamacpp'"):
-        make_engine(args, model_dir)
+        make_engine(args, model_dir, "aggregated", "w")
     with pytest.raises(SystemExit):  # argparse names the choices
         backend_parser().parse_args(["--backend", "llamacpp"])
 
@@ -98,7 +98,7 @@ def test_an_unknown_backend_is_refused(model_dir: Path) -> None:
 def test_a_role_the_backend_cannot_serve_is_refused(model_dir: Path) -> None:
     args = backend_parser().parse_args(["--backend", "vllm", "--model", str(model_dir)])
     with pytest.raises(ValueError, match="the vllm backend serves role aggregated, not prefill"):
-        make_engine(args, model_dir, "prefill")
+        make_engine(args, model_dir, "prefill", "w")
 
 
 def test_vllm_engine_args_pass_through_but_not_weirs_own(model_dir: Path) -> None:
@@ -139,7 +139,7 @@ from orchestrator.cli.main import build_parser, main
 with contextlib.suppress(SystemExit):
     main(["worker", "--backend", "mocker", "--help"])
 argv = ["worker", "--backend", "mocker", "--model", {str(model_dir)!r}]
-make_engine(build_parser(only="worker").parse_args(argv), Path(argv[-1]))
+make_engine(build_parser(only="worker").parse_args(argv), Path(argv[-1]), "aggregated", "w")
 print(sorted(name for name in sys.modules if name.split(".")[0] in ("torch", "vllm")))
 """
     result = subprocess.run(

@@ -151,7 +151,7 @@ def cli_worker(argv: list[str], model_dir: Path) -> DeepInferWorker:
     parser = argparse.ArgumentParser()
     add_backend_arguments(parser)
     args = parser.parse_args(["--backend", "deepinfer", "--model", str(model_dir), *argv])
-    worker = make_engine(args, model_dir)
+    worker = make_engine(args, model_dir, "aggregated", "worker-a")
     assert isinstance(worker, DeepInferWorker)
     return worker
 
@@ -163,7 +163,7 @@ def test_cli_flags_build_the_config(tiny_llama_dir: Path, tmp_path: Path) -> Non
     config = cli_worker(flags.split(), tiny_llama_dir).config
     assert (config.block_size, config.num_kv_blocks, config.max_num_seqs) == (32, 50, 8)
     assert config.deterministic and not config.enable_prefix_caching and config.model == str(tiny_llama_dir)
-    assert config.served_model_name == tiny_llama_dir.name
+    assert config.served_model_name == tiny_llama_dir.name and config.worker_id == "worker-a"
     with pytest.raises(ValueError, match="checkpoint"):
         cli_worker([], tmp_path)  # no config.json
 
@@ -177,6 +177,8 @@ async def test_kv_tier_flags_reach_the_engine_and_its_card(tiny_llama_dir: Path,
     await worker.start()
     try:
         assert worker.engine.tiers is not None and worker.engine.tiers.disk_min_reuse == 2
+        # Its weir_kvbm_* series carry the worker's instance id, as its weir_worker_* ones do.
+        assert worker.engine.tiers.worker == "worker-a"
         assert set(worker.card.kv_tiers) == {"host", "disk"} and all(worker.card.kv_tiers.values())
         assert list(tmp_path.glob("*.slab"))  # the disk tier's file is there
     finally:

@@ -73,10 +73,16 @@ def test_bad_values_are_value_errors(tmp_path: Path) -> None:
 
 def test_a_mocker_worker_takes_eos_and_vocabulary_from_the_tokenizer(tmp_path: Path) -> None:
     model_dir = build_chatml(tmp_path)
-    engine = make_engine(parse(["--backend", "mocker"]), model_dir)
+    engine = make_engine(parse(["--backend", "mocker"]), model_dir, "aggregated", "w")
     assert isinstance(engine, MockerEngine)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     # The ids the frontend stops on, the tokenizer's eos first: the one the mocker emits.
     assert engine.card.eos_token_ids == eos_token_ids(model_dir, tokenizer)
     assert engine.card.eos_token_ids[0] == tokenizer.token_to_id("<|im_end|>")
     assert engine.config.vocab_size == tokenizer.get_vocab_size(with_added_tokens=True)
+    tiered = make_engine(
+        parse(["--backend", "mocker", "--host-cache-blocks", "8"]), model_dir, "aggregated", "w"
+    )
+    assert isinstance(tiered, MockerEngine) and tiered.core.tiers is not None
+    # Its weir_kvbm_* series carry the worker's instance id, as its weir_worker_* ones do.
+    assert tiered.core.tiers.worker == "w"

@@ -64,6 +64,7 @@ from redis.retry import Retry
 
 from kvbm import records
 from kvbm.records import Payload
+from kvbm.stores import Cleared, Report
 from orchestrator.runtime.protocol import Tier
 from orchestrator.runtime.throttled_log import ThrottledWarning
 
@@ -84,8 +85,6 @@ NOTIFY_FLAGS = "Exe"  # keyevent channels; expired; evicted
 PIPELINE_BYTES = 16 << 20
 
 _T = TypeVar("_T")
-Report = Callable[[list[int]], None]
-Cleared = Callable[[], None]
 
 
 class RedisStore:

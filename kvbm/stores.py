@@ -20,6 +20,11 @@ from typing import Protocol
 from kvbm.records import Payload
 from orchestrator.runtime.protocol import Tier
 
+# What a remote store's watcher reports: blocks by hash (stored, or removed), or that it lost
+# track and may have dropped any block unreported (cleared).
+Report = Callable[[list[int]], None]
+Cleared = Callable[[], None]
+
 
 class KvStore(Protocol):
     tier: Tier
@@ -54,12 +59,7 @@ class RemoteStore(KvStore, Protocol):
 
     def put_many(self, items: list[tuple[int, Payload]]) -> None: ...
 
-    def watch(
-        self,
-        stored: Callable[[list[int]], None],
-        removed: Callable[[list[int]], None],
-        cleared: Callable[[], None],
-    ) -> None:
+    def watch(self, stored: Report, removed: Report, cleared: Cleared) -> None:
         """Report, from a thread of the store's own, the blocks it holds that no call of this
         worker stored (`stored`), those it drops by itself (`removed`), and that it may have
         dropped any block unreported (`cleared`: after losing track, before reporting again
@@ -134,12 +134,7 @@ class HostStore:
         for seq_hash, payload in items:
             self.put(seq_hash, payload)
 
-    def watch(
-        self,
-        stored: Callable[[list[int]], None],
-        removed: Callable[[list[int]], None],
-        cleared: Callable[[], None],
-    ) -> None:
+    def watch(self, stored: Report, removed: Report, cleared: Cleared) -> None:
         """Nothing to report (RemoteStore): memory drops a block only when a `put` evicts it."""
 
     def pop_oldest(self) -> tuple[int, Payload] | None:

@@ -8,6 +8,10 @@ and from pageable host memory, and the write is measured again from views of pin
 a GPU engine's host tier hands blocks over (`write_from_pinned_store_gbps`); on the CPU, one
 memcpy of them. Best of 5.
 
+Offloading, the other way, is measured into the same kind of slots: `read_blocks` then a copy
+of each payload into its slot, as the offload did before (`offload_read_then_put_gbps`),
+against `read_blocks_into` the slots directly (`offload_into_slots_gbps`), as it does now.
+
     python benchmarks/kv_cache_write.py                 # cuda when torch sees a GPU, else cpu
     python benchmarks/kv_cache_write.py --device cpu
 
@@ -74,14 +78,28 @@ def main() -> None:
     block_ids = list(range(100, 100 + WRITE_BLOCKS))
     write = gbps(lambda: cache.write_blocks(block_ids, payloads))
     identical = cache.read_blocks(block_ids) == payloads
+    # A host tier's slots (pinned on a GPU): every other slot, as an LRU store's blocks of one
+    # prefix seldom sit side by side.
+    arena = torch.empty(2 * total, dtype=torch.uint8, pin_memory=cuda)
+    slots = memoryview(arena.numpy())
+    size = cache.block_bytes
+    views = [slots[2 * i * size : (2 * i + 1) * size] for i in range(WRITE_BLOCKS)]
+
+    def read_then_put() -> None:  # the offload before read_blocks_into: bytes, then a copy into the slot
+        for view, payload in zip(views, cache.read_blocks(block_ids), strict=True):
+            view[:] = payload
+
+    offload = {
+        "offload_read_then_put_gbps": gbps(read_then_put),
+        "offload_into_slots_gbps": gbps(lambda: cache.read_blocks_into(block_ids, views)),
+    }
+    offload["offload_speedup"] = round(
+        offload["offload_into_slots_gbps"] / offload["offload_read_then_put_gbps"], 2
+    )
+    identical = identical and [bytes(view) for view in views] == payloads
     from_store: dict[str, float] = {}
     if cuda:
-        # As a GPU engine's host tier hands blocks over: views of its pinned slots. Every other
-        # slot, as an LRU store's blocks of one prefix seldom sit side by side.
-        arena = torch.empty(2 * total, dtype=torch.uint8, pin_memory=True)
-        slots = memoryview(arena.numpy())
-        size = cache.block_bytes
-        views = [slots[2 * i * size : (2 * i + 1) * size] for i in range(WRITE_BLOCKS)]
+        # As a GPU engine's host tier hands blocks over: views of its pinned slots.
         for view, payload in zip(views, payloads, strict=True):
             view[:] = payload
         cache.write_blocks(block_ids, [bytes(size)] * WRITE_BLOCKS)  # zeroed, to check the next write
@@ -99,6 +117,7 @@ def main() -> None:
         "write_blocks_gbps": write,
         "of_raw": round(write / max(raw.values()), 3),
         **from_store,
+        **offload,
         "identical": identical,
     }
     print(json.dumps(figures))

@@ -116,16 +116,25 @@ class HostStore:
             return []
         if len(payload) != self.block_bytes:
             raise ValueError(f"a block is {self.block_bytes} bytes here, got {len(payload)}")
+        slot, evicted = self.reserve(seq_hash)
+        slot[:] = payload
+        return evicted
+
+    def reserve(self, seq_hash: int) -> tuple[memoryview, list[int]]:
+        """A slot for `seq_hash`, which the store does not hold, for the caller to fill before
+        anything reads it (an engine copies a block from its device straight into it); and
+        the blocks evicted to make room, least recently used first."""
+        if seq_hash in self._slots:
+            raise ValueError(f"block {seq_hash:#x} is held already")
         evicted: list[int] = []
         if not self._free:
             old, slot = self._slots.popitem(last=False)
             self._free.append(slot)
             evicted.append(old)
         slot = self._free.pop()
-        start = slot * self.block_bytes
-        self._view[start : start + self.block_bytes] = payload
         self._slots[seq_hash] = slot
-        return evicted
+        start = slot * self.block_bytes
+        return self._view[start : start + self.block_bytes], evicted
 
     def get_many(self, hashes: list[int]) -> list[Payload | None]:
         return [self.get(h) for h in hashes]

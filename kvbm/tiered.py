@@ -56,6 +56,8 @@ from orchestrator.runtime.protocol import AllCleared, BlockRemoved, BlockStored,
 
 # One fetched block: (seq_hash, the tier it came from, its payload).
 Fetched = tuple[int, Tier, Payload]
+# Writes blocks, by hash, into the host slots given for them (TieredStore.offload_into).
+Fill = Callable[[list[int], list[memoryview]], None]
 
 # Blocks one read job takes from the slow tiers; a longer prefix continues in a later job, so
 # a sequence holds at most this many payloads it has not yet been admitted with.
@@ -112,25 +114,47 @@ class TieredStore:
     # ------------------------------------------------------------------ device -> tiers
 
     def offload(self, blocks: Iterable[tuple[int, Payload]]) -> None:
-        """Blocks the device just computed, (seq_hash, payload): write-through to G2 (and G4).
-        The engine calls it at the end of every step, loads done: the step's copy-ups from the
-        slow tiers go into host memory first (`onboarded`)."""
+        """Blocks the device just computed, (seq_hash, payload): `offload_into`, copying each
+        payload into its slot."""
+        payloads = dict(blocks)
+
+        def fill(hashes: list[int], slots: list[memoryview]) -> None:
+            for seq_hash, slot in zip(hashes, slots, strict=True):
+                slot[:] = payloads[seq_hash]
+
+        self.offload_into(list(payloads), fill)
+
+    def offload_into(self, hashes: Sequence[int], fill: Fill) -> None:
+        """Blocks the device just computed: write-through to G2 (and G4). Those host memory
+        does not hold yet get slots, which `fill(their hashes, slots)` writes, the engine's
+        cache straight from the device (pinned memory on a GPU, so one copy at the link's
+        speed). The engine calls it at the end of every step, loads done: the step's
+        copy-ups from the slow tiers go into host memory first (`onboarded`)."""
         if self._promotions:
             self._promote()
         started = time.perf_counter()
-        fresh: list[tuple[int, Payload]] = []
-        for seq_hash, payload in blocks:
-            if seq_hash in self.host:
-                continue
-            self._make_host_room()
-            self.host.put(seq_hash, payload)
-            fresh.append((seq_hash, payload))
+        fresh = list(dict.fromkeys(h for h in hashes if h not in self.host))
         if not fresh:
             return
-        self._stored("host", [seq_hash for seq_hash, _ in fresh])
+        # A host's worth at a time, as more would evict slots not filled yet: the blocks of a
+        # step larger than host memory pass through it to the disk as any others do.
+        capacity = self.host.capacity_blocks
+        for start in range(0, len(fresh), capacity):
+            self._offload_batch(fresh[start : start + capacity], fill)
         metrics.TRANSFER_SECONDS.labels(self.worker, "host", "offload").observe(time.perf_counter() - started)
+
+    def _offload_batch(self, hashes: list[int], fill: Fill) -> None:
+        slots: list[memoryview] = []
+        for seq_hash in hashes:
+            self._make_host_room()
+            slot, _ = self.host.reserve(seq_hash)  # room made: it evicts nothing
+            slots.append(slot)
+        fill(hashes, slots)
+        self._stored("host", hashes)
         if self.remote is not None:
-            self._slow(partial(self._write_remote, fresh))
+            # Copies: a slot may hold another block by the time the transfer thread writes.
+            blocks: list[tuple[int, Payload]] = [(h, bytes(s)) for h, s in zip(hashes, slots, strict=True)]
+            self._slow(partial(self._write_remote, blocks))
 
     def _make_host_room(self) -> None:
         while len(self.host) >= self.host.capacity_blocks:

@@ -252,9 +252,11 @@ class Engine:
         copy this step's slow-tier loads up to host memory then). Under the lock with the rest
         of postprocess: nothing can reuse those blocks before the next schedule()."""
         assert self.tiers is not None
-        saves = self.scheduler.kv_cache.take_saves()
-        payloads = self.runner.kv_cache.read_blocks([block_id for block_id, _ in saves])
-        self.tiers.offload(zip((seq_hash for _, seq_hash in saves), payloads, strict=True))
+        block_of = {seq_hash: block_id for block_id, seq_hash in self.scheduler.kv_cache.take_saves()}
+        cache = self.runner.kv_cache
+        self.tiers.offload_into(
+            list(block_of), lambda hashes, slots: cache.read_blocks_into([block_of[h] for h in hashes], slots)
+        )
 
     def _advance_grammars(self, outputs: list[SeqOutput]) -> None:
         guided = self.guided

@@ -40,6 +40,9 @@ from kvbm.records import Payload
 # can be loaded only into a cache of the same layout.
 KVLayout = tuple[str, int, tuple[tuple[int, ...], ...]]
 
+# How much of a CPU cache `read_blocks_into` gathers at a time (it keeps a buffer this size).
+GATHER_CHUNK_BYTES = 8 << 20
+
 
 class PagedKVCache:
     """Byte-level access to whole KV blocks of a set of per-layer cache tensors.
@@ -79,6 +82,7 @@ class PagedKVCache:
         self._device = first.device
         self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
         self._staging = torch.empty(0, dtype=torch.uint8)
+        self._gathered = torch.empty(0, 0, dtype=torch.uint8)  # read_blocks_into's, on the CPU
         self._copied: torch.cuda.Event | None = None  # the last copy out of the staging buffer
         self._layout: KVLayout = (
             str(first.dtype).removeprefix("torch."),
@@ -127,11 +131,46 @@ class PagedKVCache:
         """The payload of each block in `block_ids`, in that order."""
         if not block_ids:
             return []
+        host = self._gather(block_ids).cpu().numpy()  # the one device -> host copy
+        return [row.tobytes() for row in host]
+
+    def read_blocks_into(self, block_ids: list[int], out: Sequence[memoryview]) -> None:
+        """Write the payload of each block in `block_ids` into the writable memory `out` gives
+        for it: a host tier's slots, pinned on a GPU, so that each block crosses the link once
+        and lands where it stays, with no pageable buffer and no host copies between. One
+        thread at a time (the engine's step thread): on the CPU it uses a buffer of its own."""
+        if len(block_ids) != len(out):
+            raise ValueError(f"{len(block_ids)} block ids for {len(out)} destinations")
+        if self._device.type != "cpu":
+            # The device's caching allocator hands over memory with no pages to fault in.
+            for row, memory in zip(self._gather(block_ids), out, strict=True):
+                torch.frombuffer(memory, dtype=torch.uint8).copy_(row)
+            return
+        # A fresh buffer for every block spent more time faulting its pages in than copying
+        # into them: 512 of SmolLM2's blocks went out at 0.96 GB/s that way (with the copies
+        # of `read_blocks` and a store's `put`), at 9.9 through a buffer of the cache's own, a
+        # few megabytes at a time (benchmarks/kv_cache_write.py, on the 2-core machine).
+        per_chunk = max(1, GATHER_CHUNK_BYTES // self._block_bytes)
+        if self._gathered.shape[0] < min(per_chunk, len(block_ids)):
+            self._gathered = torch.empty(per_chunk, self._block_bytes, dtype=torch.uint8)
+        for start in range(0, len(block_ids), per_chunk):
+            chunk = block_ids[start : start + per_chunk]
+            rows = self._gather(chunk, self._gathered[: len(chunk)]).numpy()
+            for row, memory in zip(rows, out[start : start + per_chunk], strict=True):
+                memory[:] = row
+
+    def _gather(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The blocks' payloads `[n, block_bytes]` (uint8) on the cache's device, in `out` if given."""
         index = self._index(block_ids)
-        n = len(block_ids)
-        rows = [t.index_select(0, index).view(n, -1).view(torch.uint8) for t in self._tensors]
-        host = torch.cat(rows, dim=1).cpu().numpy()  # [n, block_bytes], the one device -> host copy
-        return [host[i].tobytes() for i in range(n)]
+        if out is None:
+            out = torch.empty(len(block_ids), self._block_bytes, dtype=torch.uint8, device=self._device)
+        for t, offset, size in zip(self._tensors, self._offsets, self._sizes, strict=True):
+            # Each tensor's rows straight into their columns (a `torch.cat` of gathered rows
+            # would copy every byte once more).
+            torch.index_select(
+                t.view(t.shape[0], -1).view(torch.uint8), 0, index, out=out[:, offset : offset + size]
+            )
+        return out
 
     def write_blocks(self, block_ids: list[int], payloads: Sequence[Payload]) -> None:
         """Overwrite each block in `block_ids` with its payload (as `read_blocks` returned it)."""

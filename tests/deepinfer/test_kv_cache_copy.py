@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from backends.deepinfer import kv_cache
 from backends.deepinfer.config import EngineConfig
 from backends.deepinfer.engine import Engine
 from backends.deepinfer.kv_cache import PagedKVCache
@@ -39,6 +40,26 @@ def mla_tensors(dtype: torch.dtype, layers: int = 3) -> list[torch.Tensor]:
 def zero_blocks(cache: PagedKVCache, block_ids: list[int]) -> None:
     for t in cache.tensors:
         t[block_ids] = 0
+
+
+@pytest.mark.parametrize("chunk_blocks", [1, 2, 100])
+@pytest.mark.parametrize("make", [attention_tensors, mla_tensors])
+def test_blocks_read_into_given_memory_are_their_payloads(
+    chunk_blocks: int, make: Callable[[torch.dtype], list[torch.Tensor]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Into a host store's slots, as the offload writes them: on the CPU through the cache's
+    own buffer, a chunk of blocks at a time (one, two, or all three here)."""
+    torch.manual_seed(0)
+    cache = PagedKVCache([t.to(DEVICE) for t in make(torch.bfloat16)])
+    monkeypatch.setattr(kv_cache, "GATHER_CHUNK_BYTES", chunk_blocks * cache.block_bytes)
+    ids = [6, 1, 2]
+    arena = bytearray(4 * cache.block_bytes)  # slots of a host store, one left unused
+    slots = [memoryview(arena)[i * cache.block_bytes : (i + 1) * cache.block_bytes] for i in (3, 0, 1)]
+    cache.read_blocks_into(ids, slots)
+    assert [bytes(slot) for slot in slots] == cache.read_blocks(ids)
+    assert arena[2 * cache.block_bytes : 3 * cache.block_bytes] == bytes(cache.block_bytes)
+    with pytest.raises(ValueError, match="destinations"):
+        cache.read_blocks_into(ids, slots[:2])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

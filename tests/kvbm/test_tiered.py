@@ -14,6 +14,7 @@ from kvbm.stores import HostStore
 from kvbm.tiered import Fetch, TieredStore
 from kvbm.transfer import TransferEngine
 from orchestrator.runtime.protocol import BlockRemoved, BlockStored, KvEvent
+from router.block_index import BlockIndex
 
 BLOCK = 64
 
@@ -68,6 +69,24 @@ def test_host_evictions_reach_disk_only_when_reused(tmp_path: Path) -> None:
     assert 1 in store.host
     assert ("stored", "host") in by_tier(store.take_events())
     assert set(store.snapshot()) == {"host", "disk"}
+
+
+def test_a_step_larger_than_host_memory_passes_through_it_in_order(tmp_path: Path) -> None:
+    """Blocks go into host slots a host's worth at a time, so each is stored before a later
+    one evicts it: the router, applying the events in order, ends where the tiers are."""
+    store = tiers(tmp_path, host_blocks=2, disk_min_reuse=0)
+    store.offload([(h, payload(h)) for h in (1, 2, 3, 4, 5)])
+    index = BlockIndex()
+    for event in store.take_events():
+        if isinstance(event, BlockStored):
+            index.store("w", event.blocks, event.tier)
+        elif isinstance(event, BlockRemoved):
+            index.remove("w", event.seq_hashes, event.tier)
+    assert index.blocks_of("w") == {"host": {4, 5}, "disk": {1, 2, 3}}
+    assert store.disk is not None and set(store.disk.hashes()) == {1, 2, 3}
+    assert [bytes(store.host.get(h) or b"") for h in (4, 5)] == [payload(4), payload(5)]
+    with pytest.raises(ValueError, match="held already"):
+        store.host.reserve(5)
 
 
 def test_a_host_hit_is_the_slot_itself_and_holds_until_the_step_ends(tmp_path: Path) -> None:

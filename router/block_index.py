@@ -99,11 +99,13 @@ class BlockIndex:
         worker.lower_count = 0
 
     def clear_tier(self, worker_id: str, tier: Tier) -> None:
-        """Forget what one tier of a worker holds: of every worker, for the shared remote tier."""
-        if worker_id not in self._workers:
+        """Forget what one tier of a worker holds: of every worker, for the shared remote tier
+        (`remove` applies a remote removal to all of them)."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
             return
-        for other in list(self._workers) if tier == "remote" else [worker_id]:
-            self._remove(other, list(self._workers[other].tiers[tier]), tier)
+        holders = self._workers.values() if tier == "remote" else [worker]
+        self.remove(worker_id, set().union(*(w.tiers[tier] for w in holders)), tier)
 
     def workers(self) -> list[str]:
         return list(self._workers)

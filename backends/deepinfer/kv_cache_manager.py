@@ -324,9 +324,10 @@ class KVCacheManager:
             self._events.append(BlockStored(blocks=run, parent_seq_hash=run_parent))
 
     def clear_cache(self) -> None:
-        """Forget every cached hash (blocks in use stay allocated, just uncached)."""
+        """Forget every cached hash on the device (blocks in use stay allocated, just
+        uncached). The tiers below keep theirs, so the event clears the device tier only."""
         self.pool.clear()
-        self._events.append(AllCleared())
+        self._events.append(AllCleared(tier="device"))
 
     # ------------------------------------------------------------------ block moves
 

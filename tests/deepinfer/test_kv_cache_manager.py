@@ -142,7 +142,7 @@ def test_event_batches_are_numbered_and_snapshot_seals_pending_events() -> None:
     assert bm.take_events() == []
     bm.clear_cache()
     (third,) = bm.take_events()
-    assert third.event_id == 3 and third.events == [AllCleared()]
+    assert third.event_id == 3 and third.events == [AllCleared(tier="device")]
     assert bm.snapshot().blocks == {"device": []}
 
 

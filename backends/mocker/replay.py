@@ -165,8 +165,7 @@ class OfflineReplay:
         request_id = f"trace-{request.line}"
         record = RequestRecord(arrival_ms=now, prompt_tokens=request.input_length)
         self._records[request_id] = record
-        tokens = self.tokens.prompt(request)
-        hashes = block_hashes(tokens, self.config.block_size)
+        tokens, hashes = self.tokens.prompt_and_hashes(request, self.config.block_size)
         route = RouteRequest(request_id, len(tokens), hashes)
         work = WorkerRequest(
             request_id=request_id,

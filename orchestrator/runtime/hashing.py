@@ -34,17 +34,22 @@ def block_hashes(
     """Sequence hashes of every full block of `token_ids`.
 
     `parent` continues a chain: pass the last hash already known to hash only new blocks."""
+    # One conversion of the whole list to u32 words, viewed as bytes without a copy.
+    return hash_words(_words(token_ids), block_size, salt, parent)
+
+
+def hash_words(
+    data: bytes | memoryview, block_size: int, salt: str | None = None, parent: int | None = None
+) -> list[int]:
+    """`block_hashes` of tokens already laid out as little-endian u32 words (a tail shorter
+    than a block is not hashed)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    n_full = len(token_ids) // block_size * block_size
-    # One conversion of the whole list to u32 words, viewed as bytes without a copy;
-    # slicing the view per block is cheap. A tail past n_full is converted but never hashed.
-    data = _words(token_ids)
-    step = block_size * 4
+    view, step = memoryview(data).cast("B"), block_size * 4
     seed = root_hash(salt) if parent is None else parent
     out: list[int] = []
-    for start in range(0, n_full * 4, step):
-        seed = _xxh3(data[start : start + step], seed=seed)
+    for start in range(0, len(view) // step * step, step):  # a memoryview slice copies nothing
+        seed = _xxh3(view[start : start + step], seed=seed)
         out.append(seed)
     return out
 

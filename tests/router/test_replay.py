@@ -59,6 +59,14 @@ def test_equal_hash_ids_give_equal_tokens_and_engine_blocks() -> None:
     assert tokens.prompt(TraceRequest(3, 0, 512, 1, (4,))) == a[:512]
 
 
+@pytest.mark.parametrize("block_size", [16, 64, 512, 48])
+def test_trace_prompt_hashes_are_the_prompts_block_hashes(block_size: int) -> None:
+    tokens = TraceTokens(trace_block_size=128, vocab_size=1000)
+    for request in (TraceRequest(1, 0, 300, 1, (1, 2, 3)), TraceRequest(2, 0, 256, 1, (1, 2))):
+        prompt, hashes = tokens.prompt_and_hashes(request, block_size)
+        assert prompt == tokens.prompt(request) and hashes == block_hashes(prompt, block_size)
+
+
 def test_summary_figures() -> None:
     records = [
         RequestRecord(0, "w0", 100, 1000, 10, 1000, 500),

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
+import xxhash
 
 from orchestrator.runtime.hashing import hash_words
 
@@ -94,6 +95,12 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+def _u64(hash_id: int) -> int:
+    """The id itself where it fits 64 bits, else a 64-bit hash of it (never a truncation, which
+    would give ids that differ only above bit 63 the same tokens)."""
+    return hash_id if 0 <= hash_id <= _U64 else xxhash.xxh3_64_intdigest(str(hash_id).encode())
+
+
 class TraceTokens:
     """Deterministic synthetic tokens for trace blocks: token j of the block named `hash_id`
     is a hash of (hash_id, j), drawn for a whole prompt in one vectorized pass (a replay
@@ -110,7 +117,7 @@ class TraceTokens:
 
     def words(self, request: TraceRequest) -> np.ndarray:
         """The prompt's tokens as little-endian u32 words."""
-        ids = np.array([hash_id & _U64 for hash_id in request.hash_ids], dtype=np.uint64)
+        ids = np.array([_u64(hash_id) for hash_id in request.hash_ids], dtype=np.uint64)
         draws = _mix(_mix(ids)[:, None] + self._positions).reshape(-1)[: request.input_length]
         return (draws % np.uint64(self.vocab_size)).astype("<u4")
 

@@ -67,6 +67,13 @@ def test_trace_prompt_hashes_are_the_prompts_block_hashes(block_size: int) -> No
         assert prompt == tokens.prompt(request) and hashes == block_hashes(prompt, block_size)
 
 
+def test_trace_ids_beyond_64_bits_and_negative_ones_get_tokens_of_their_own() -> None:
+    tokens = TraceTokens(trace_block_size=64, vocab_size=1000)
+    ids = (5, 5 + (1 << 64), -1, (1 << 64) - 1, 1 << 70)
+    prompts = [tokens.prompt(TraceRequest(i, 0, 64, 1, (hash_id,))) for i, hash_id in enumerate(ids)]
+    assert len({tuple(p) for p in prompts}) == len(ids)
+
+
 def test_summary_figures() -> None:
     records = [
         RequestRecord(0, "w0", 100, 1000, 10, 1000, 500),

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from backends.deepinfer.block_pool import EVICTIONS
 from backends.deepinfer.config import EngineConfig
 from backends.registry import BackendSpec
 from orchestrator.runtime.engine import Engine
@@ -56,6 +57,14 @@ def add_deepinfer_arguments(parser: argparse.ArgumentParser) -> None:
         help="on a GPU, run decode steps eagerly instead of replaying them as CUDA graphs",
     )
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    g.add_argument(
+        "--kv-eviction",
+        choices=EVICTIONS,
+        default=d.kv_eviction,
+        help="which cached KV blocks are evicted first: lru, or slru (segmented LRU: blocks a prefix "
+        "hit reused are kept through a stream of one-off prompts); the mocker backend simulates "
+        f"the same pool and takes it too (default {d.kv_eviction})",
+    )
     g.add_argument("--seed", type=int, default=d.seed, help="seed for unseeded sampling")
     g.add_argument(
         "--speculative-config",
@@ -146,6 +155,7 @@ def deepinfer_config_from_args(args: argparse.Namespace, model_dir: Path, served
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        kv_eviction=args.kv_eviction,
         deterministic=args.deterministic,
         enforce_eager=args.enforce_eager,
         seed=args.seed,

@@ -5,43 +5,75 @@ torch. Free blocks are handed out uncached ones first (a stack), then cached one
 recently freed first: a cached block whose last user leaves stays findable by its hash until
 a fresh block is needed and no uncached one is left. What a hit or an eviction means (events,
 lower tiers) is the KV cache manager's business (kv_cache_manager.py).
+
+Eviction is LRU, as in vLLM, or segmented LRU (`protected_share` > 0; Karedla et al., 1994):
+a cached block that a prefix hit reuses becomes protected, and free protected blocks are
+evicted only once no unprotected one is left, so a stream of prompts seen once cannot flush
+the prefixes that are shared. At most `protected_share` of the blocks are protected; past
+that, the least recently freed protected block goes back to the unprotected ones.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Literal, get_args
+
+Eviction = Literal["lru", "slru"]
+EVICTIONS: tuple[str, ...] = get_args(Eviction)
+# Segmented LRU's protected share: the usual 80 % (as in Caffeine's W-TinyLFU main space),
+# not fitted to any trace.
+PROTECTED_SHARE = 0.8
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "seq_hash")
+    __slots__ = ("block_id", "protected", "ref_count", "seq_hash")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.seq_hash: int | None = None  # set while the block is in the prefix cache
+        self.protected = False  # reused since it was cached (segmented LRU)
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, protected_share: float = 0.0) -> None:
+        """`protected_share`: 0 for LRU, else segmented LRU's protected share of the blocks."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if not 0.0 <= protected_share < 1.0:
+            raise ValueError(f"protected_share must be in [0, 1), got {protected_share}")
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.cached: dict[int, Block] = {}  # seq_hash -> the block holding it
         self._free_uncached: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._free_cached: OrderedDict[int, Block] = OrderedDict()
+        self._free_cached: OrderedDict[int, Block] = OrderedDict()  # unprotected, evicted first
+        self._free_protected: OrderedDict[int, Block] = OrderedDict()
+        self._protected_limit = int(num_blocks * protected_share)
+        self._num_protected = 0
         self.num_active_blocks = 0  # blocks with ref_count > 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_uncached) + len(self._free_cached)
+        return len(self._free_uncached) + len(self._free_cached) + len(self._free_protected)
 
     def ref(self, block: Block) -> None:
-        """One more user of a block (a prefix hit): a free one leaves the free list."""
+        """One more user of a block: a free one leaves the free list."""
         if block.ref_count == 0:
-            del self._free_cached[block.block_id]  # a cached block with no user is always there
+            # A cached block with no user is always on one of the two lists.
+            del (self._free_protected if block.protected else self._free_cached)[block.block_id]
             self.num_active_blocks += 1
         block.ref_count += 1
+
+    def reused(self, block: Block) -> None:
+        """A prefix hit on a cached block (after `ref`): under segmented LRU it is protected."""
+        if block.protected or not self._protected_limit:
+            return
+        block.protected = True
+        self._num_protected += 1
+        while self._num_protected > self._protected_limit and self._free_protected:
+            _, demoted = self._free_protected.popitem(last=False)
+            self._unprotect(demoted)
+            self._free_cached[demoted.block_id] = demoted  # the most recent of the unprotected
 
     def release(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -50,7 +82,11 @@ class BlockPool:
             self.num_active_blocks -= 1
             if block.seq_hash is None:
                 self._free_uncached.append(block_id)
-            else:
+            elif block.protected and self._num_protected <= self._protected_limit:
+                self._free_protected[block_id] = block
+            else:  # unprotected, or protected while the protected share was full
+                if block.protected:
+                    self._unprotect(block)
                 self._free_cached[block_id] = block
 
     def take_free(self) -> tuple[Block, int | None]:
@@ -59,14 +95,20 @@ class BlockPool:
         if self._free_uncached:
             block = self.blocks[self._free_uncached.pop()]
         else:
-            _, block = self._free_cached.popitem(last=False)
+            _, block = (self._free_cached or self._free_protected).popitem(last=False)
             evicted = block.seq_hash
             assert evicted is not None
             del self.cached[evicted]
             block.seq_hash = None
+            if block.protected:
+                self._unprotect(block)
         block.ref_count = 1
         self.num_active_blocks += 1
         return block, evicted
+
+    def _unprotect(self, block: Block) -> None:
+        block.protected = False
+        self._num_protected -= 1
 
     def cache(self, block: Block, seq_hash: int) -> None:
         block.seq_hash = seq_hash
@@ -76,6 +118,10 @@ class BlockPool:
         """Forget every cached hash (blocks in use stay allocated, just uncached)."""
         for block in self.cached.values():
             block.seq_hash = None
+            block.protected = False
         self._free_uncached.extend(self._free_cached)
+        self._free_uncached.extend(self._free_protected)
         self._free_cached.clear()
+        self._free_protected.clear()
+        self._num_protected = 0
         self.cached.clear()

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from backends.deepinfer.block_pool import EVICTIONS, Eviction
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -20,6 +22,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 0  # 0: the checkpoint's context length
     enable_prefix_caching: bool = True
+    # Which cached blocks go first when a fresh one is needed (block_pool.py): least recently
+    # used, or segmented LRU, which keeps reused prefixes through a stream of one-off prompts.
+    kv_eviction: Eviction = "lru"
     enable_chunked_prefill: bool = True
     deterministic: bool = False  # batch-invariant numerics: a seeded request ignores its batch
     enforce_eager: bool = False  # on a GPU, no CUDA graphs for decode steps (decode_graphs.py)
@@ -56,6 +61,8 @@ class EngineConfig:
             raise ValueError("the disk and Redis KV tiers sit below the host tier: set host_cache_gb too")
         if self.disk_cache_dir and not self.disk_cache_gb:
             raise ValueError("disk_cache_dir needs disk_cache_gb")
+        if self.kv_eviction not in EVICTIONS:
+            raise ValueError(f"kv_eviction must be one of {', '.join(EVICTIONS)}, got {self.kv_eviction!r}")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.speculative_method not in ("ngram", "mtp"):

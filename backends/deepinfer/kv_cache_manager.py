@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from backends.deepinfer.block_pool import Block, BlockPool
+from backends.deepinfer.block_pool import PROTECTED_SHARE, Block, BlockPool, Eviction
 from backends.deepinfer.outputs import BlockLoad, LoadSource
 from backends.deepinfer.sequence import Sequence
 from kvbm.records import Payload
@@ -97,8 +97,9 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         tiers: TieredStore | None = None,
         sliding_window: int | None = None,
+        eviction: Eviction = "lru",
     ) -> None:
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, PROTECTED_SHARE if eviction == "slru" else 0.0)
         self.sliding_window = sliding_window  # the model's, when every layer attends within one
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -211,6 +212,7 @@ class KVCacheManager:
         seq.block_table.extend([NULL_BLOCK] * prefix.skipped)
         for block in prefix.blocks:
             self.pool.ref(block)
+            self.pool.reused(block)
             seq.block_table.append(block.block_id)
         seq.arrived = {}  # taken now, or not part of the prefix: recomputed either way
         if not prefix.num_to_load:

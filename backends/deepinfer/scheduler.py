@@ -60,7 +60,12 @@ class Scheduler:
         self.max_model_len = max_model_len or config.max_model_len or None
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv_cache = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, tiers, sliding_window
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            tiers,
+            sliding_window,
+            config.kv_eviction,
         )
         self.waiting: list[tuple[int, int, Sequence]] = []  # heap of (priority, arrival, seq)
         self.running: list[Sequence] = []  # sorted by (priority, arrival)

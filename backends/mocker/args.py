@@ -70,9 +70,10 @@ def add_mocker_arguments(parser: argparse.ArgumentParser) -> None:
 def mocker_config_from_args(args: argparse.Namespace, **overrides: Any) -> MockerConfig:
     """A MockerConfig from parsed flags; `overrides` (e.g. model_name, model_path) win.
     Raises ValueError for a bad value or an unreadable timing model file."""
+    # kv_eviction is DeepInfer's flag (backends/deepinfer/args.py): the mocker runs its block pool.
     values: dict[str, Any] = {
         dest: getattr(args, dest)
-        for dest in (*_FLAGS, *SHARED_FLAGS, "output_length_distribution")
+        for dest in (*_FLAGS, *SHARED_FLAGS, "output_length_distribution", "kv_eviction")
         if getattr(args, dest, None) is not None
     }
     timing_file = getattr(args, "timing_model", None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from backends.deepinfer.block_pool import EVICTIONS, Eviction
 from backends.mocker.timing import TimingModel
 
 OutputLengthDistribution = Literal["lognormal", "geometric", "fixed"]
@@ -24,6 +25,7 @@ class MockerConfig:
     vocab_size: int = 32_000  # generated ids fall in [0, vocab_size): match the tokenizer
     speedup: float = 1.0  # wall time = simulated time / speedup; large means near-zero delay
     enable_prefix_caching: bool = True
+    kv_eviction: Eviction = "lru"  # DeepInfer's block pool's policy (block_pool.py)
     enable_chunked_prefill: bool = True
     timing: TimingModel = field(default_factory=TimingModel)
     # Each request ends with EOS after a length drawn from its seed (unless ignore_eos), as a
@@ -68,6 +70,8 @@ class MockerConfig:
             and self.transfer_bandwidth_gbps > 0
         ):
             raise ValueError("tier bandwidths must be positive")
+        if self.kv_eviction not in EVICTIONS:
+            raise ValueError(f"kv_eviction must be one of {', '.join(EVICTIONS)}, got {self.kv_eviction!r}")
         if self.num_layers < 1:
             raise ValueError(f"num_layers must be at least 1, got {self.num_layers}")
         if self.context_length <= 0:

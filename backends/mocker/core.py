@@ -71,6 +71,7 @@ class MockerCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.context_length,
             enable_prefix_caching=config.enable_prefix_caching,
+            kv_eviction=config.kv_eviction,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.tiers = _tiers(config, shared)

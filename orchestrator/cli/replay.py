@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from backends.deepinfer.block_pool import EVICTIONS
 from orchestrator.cli.options import (
     add_disaggregation_arguments,
     add_old_spelling,
@@ -72,6 +73,13 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=64, help="tokens per engine KV block (default 64)")
     parser.add_argument(
         "--num-blocks", type=int, default=16_384, help="offline: KV blocks per mocker worker (default 16384)"
+    )
+    parser.add_argument(
+        "--kv-eviction",
+        choices=EVICTIONS,
+        default="lru",
+        help="offline: which cached blocks each mocker evicts first, as DeepInfer's --kv-eviction "
+        "(default lru)",
     )
     tiers = parser.add_argument_group("offline: KV tiers below each mocker's device cache (kvbm)")
     tiers.add_argument(
@@ -193,6 +201,7 @@ def _offline(
         context_length=max(longest, MockerConfig().context_length),
         host_cache_blocks=args.host_cache_blocks,
         disk_cache_blocks=args.disk_cache_blocks,
+        kv_eviction=args.kv_eviction,
     )
     if args.kv_bytes_per_token is not None:
         config.kv_bytes_per_token = args.kv_bytes_per_token

@@ -84,6 +84,20 @@ def test_shared_flags_take_each_backends_own_default(name: str, model_dir: Path)
     assert config.max_num_batched_tokens == defaults.max_num_batched_tokens
 
 
+@pytest.mark.parametrize("name", CONFIGS)
+def test_kv_eviction_reaches_deepinfers_block_pool_and_the_mockers(name: str, model_dir: Path) -> None:
+    """DeepInfer declares --kv-eviction; the mocker runs the same block pool and takes it too."""
+    argv = ["--backend", name, "--model", str(model_dir)]
+    default = built_config(make_engine(backend_parser().parse_args(argv), model_dir, "aggregated", "w"))
+    assert default.kv_eviction == "lru"
+    engine = make_engine(
+        backend_parser().parse_args([*argv, "--kv-eviction", "slru"]), model_dir, "aggregated", "w"
+    )
+    assert built_config(engine).kv_eviction == "slru"
+    with pytest.raises(SystemExit):
+        backend_parser().parse_args([*argv, "--kv-eviction", "lfu"])
+
+
 def test_an_unknown_backend_is_refused(model_dir: Path) -> None:
     with pytest.raises(ValueError, match=f"unknown backend 'llamacpp'; choose one of {', '.join(BACKENDS)}"):
         backend_spec("llamacpp")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from backends.deepinfer.block_pool import EVICTIONS, Eviction
 from backends.deepinfer.kv_cache_manager import KVCacheManager
 from backends.deepinfer.sequence import Sequence
 from orchestrator.runtime.hashing import block_hashes
@@ -117,6 +119,42 @@ def test_deallocate_keeps_cached_blocks_until_evicted_lru_tail_first() -> None:
     assert len(bm.match_prefix(make_seq([*range(100, 108), 7], "b2"))) == 2
 
 
+def test_segmented_lru_keeps_reused_blocks_through_one_off_prompts() -> None:
+    """A prefix reused once is protected: the one-off prompts after it evict each other
+    instead, under slru; under lru they evict the prefix."""
+    survivors = {}
+    for eviction in ("lru", "slru"):
+        bm = KVCacheManager(10, BS, eviction=eviction)
+        shared = list(range(8))  # two full blocks
+        for rid in ("a", "b"):  # b's prefix hit protects them
+            seq = make_seq([*shared, 99], rid)
+            prefill(bm, seq)
+            bm.deallocate(seq)
+        for i in range(4):  # 12 one-off blocks through a pool of 10
+            seq = make_seq(list(range(100 * (i + 1), 100 * (i + 1) + 12)), f"once{i}")
+            prefill(bm, seq)
+            bm.deallocate(seq)
+        survivors[eviction] = len(bm.match_prefix(make_seq([*shared, 7], "c")))
+    assert survivors == {"lru": 0, "slru": 2}
+
+
+def test_segmented_lru_protects_at_most_its_share_demoting_the_least_recent() -> None:
+    bm = KVCacheManager(10, BS, eviction="slru")  # protects at most int(10 * 0.8) = 8 blocks
+    prefixes = [[100 * p + t for t in range(BS)] for p in range(9)]  # one full block each
+    for p, tokens in enumerate(prefixes):
+        for rid in ("first", "again"):  # the second hit sends the block to the protected share
+            seq = make_seq([*tokens, 9], f"{rid}{p}")
+            prefill(bm, seq)
+            bm.deallocate(seq)
+    assert bm.num_cached_blocks == 9 and sum(block.protected for block in bm.pool.blocks) == 8
+    # Prefix 0, the least recently freed of the protected, went back to the unprotected ones
+    # when prefix 8 was reused: the one block evicted for a new prompt is prefix 0's.
+    bm.take_events()
+    prefill(bm, make_seq(list(range(1000, 1008)), "new"))
+    removed = [e for batch in bm.take_events() for e in batch.events if isinstance(e, BlockRemoved)]
+    assert removed == [BlockRemoved(seq_hashes=block_hashes(prefixes[0], BS))]
+
+
 def test_can_allocate_counts_free_prefix_hits_against_the_pool() -> None:
     bm = KVCacheManager(3, BS)
     a = make_seq([*range(8), 1], "a")
@@ -153,6 +191,7 @@ def test_prefix_caching_off_never_hits_nor_emits() -> None:
     assert bm.take_events() == []
 
 
+@pytest.mark.parametrize("eviction", EVICTIONS)
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(
@@ -165,8 +204,10 @@ def test_prefix_caching_off_never_hits_nor_emits() -> None:
         max_size=25,
     )
 )
-def test_events_reproduce_the_snapshot_and_counts_stay_exact(ops: list[tuple[int, int, int]]) -> None:
-    bm = KVCacheManager(10, BS)
+def test_events_reproduce_the_snapshot_and_counts_stay_exact(
+    eviction: Eviction, ops: list[tuple[int, int, int]]
+) -> None:
+    bm = KVCacheManager(10, BS, eviction=eviction)
     live: list[Sequence] = []
     index: set[int] = set()
     for i, (prefix_id, length, free_now) in enumerate(ops):

@@ -25,6 +25,12 @@ EVICTIONS: tuple[str, ...] = get_args(Eviction)
 PROTECTED_SHARE = 0.8
 
 
+def check_eviction(value: str) -> None:
+    """ValueError unless `value` names an eviction policy (a config's `kv_eviction`)."""
+    if value not in EVICTIONS:
+        raise ValueError(f"kv_eviction must be one of {', '.join(EVICTIONS)}, got {value!r}")
+
+
 class Block:
     __slots__ = ("block_id", "protected", "ref_count", "seq_hash")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from backends.deepinfer.block_pool import EVICTIONS, Eviction
+from backends.deepinfer.block_pool import Eviction, check_eviction
 
 
 @dataclass(slots=True)
@@ -61,8 +61,7 @@ class EngineConfig:
             raise ValueError("the disk and Redis KV tiers sit below the host tier: set host_cache_gb too")
         if self.disk_cache_dir and not self.disk_cache_gb:
             raise ValueError("disk_cache_dir needs disk_cache_gb")
-        if self.kv_eviction not in EVICTIONS:
-            raise ValueError(f"kv_eviction must be one of {', '.join(EVICTIONS)}, got {self.kv_eviction!r}")
+        check_eviction(self.kv_eviction)
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.speculative_method not in ("ngram", "mtp"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from backends.deepinfer.block_pool import EVICTIONS, Eviction
+from backends.deepinfer.block_pool import Eviction, check_eviction
 from backends.mocker.timing import TimingModel
 
 OutputLengthDistribution = Literal["lognormal", "geometric", "fixed"]
@@ -70,8 +70,7 @@ class MockerConfig:
             and self.transfer_bandwidth_gbps > 0
         ):
             raise ValueError("tier bandwidths must be positive")
-        if self.kv_eviction not in EVICTIONS:
-            raise ValueError(f"kv_eviction must be one of {', '.join(EVICTIONS)}, got {self.kv_eviction!r}")
+        check_eviction(self.kv_eviction)
         if self.num_layers < 1:
             raise ValueError(f"num_layers must be at least 1, got {self.num_layers}")
         if self.context_length <= 0:

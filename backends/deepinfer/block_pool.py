@@ -16,6 +16,7 @@ that, the least recently freed protected block goes back to the unprotected ones
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Literal, get_args
 
 Eviction = Literal["lru", "slru"]
@@ -81,10 +82,15 @@ class BlockPool:
             self._unprotect(demoted)
             self._free_cached[demoted.block_id] = demoted  # the most recent of the unprotected
 
-    def release(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        block.ref_count -= 1
-        if block.ref_count == 0:
+    def release_many(self, block_ids: Iterable[int]) -> None:
+        """One user fewer for each block, in turn: a block with none left is free (the later
+        ones more recently freed)."""
+        blocks = self.blocks
+        for block_id in block_ids:
+            block = blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count:
+                continue
             self.num_active_blocks -= 1
             if block.seq_hash is None:
                 self._free_uncached.append(block_id)
@@ -95,22 +101,27 @@ class BlockPool:
                     self._unprotect(block)
                 self._free_cached[block_id] = block
 
-    def take_free(self) -> tuple[Block, int | None]:
-        """A free block for one user, and the hash it was evicted from (None if uncached)."""
-        evicted: int | None = None
-        if self._free_uncached:
-            block = self.blocks[self._free_uncached.pop()]
-        else:
+    def take_free_many(self, n: int, evicted: list[int]) -> list[int]:
+        """The ids of `n` free blocks for one user each (the caller checked there are):
+        uncached ones first, then the least recently freed cached ones, whose hashes leave
+        the prefix cache and are appended to `evicted`."""
+        uncached = self._free_uncached
+        taken = [uncached.pop() for _ in range(min(n, len(uncached)))]
+        for _ in range(n - len(taken)):
             _, block = (self._free_cached or self._free_protected).popitem(last=False)
-            evicted = block.seq_hash
-            assert evicted is not None
-            del self.cached[evicted]
+            seq_hash = block.seq_hash
+            assert seq_hash is not None
+            del self.cached[seq_hash]
+            evicted.append(seq_hash)
             block.seq_hash = None
             if block.protected:
                 self._unprotect(block)
-        block.ref_count = 1
-        self.num_active_blocks += 1
-        return block, evicted
+            taken.append(block.block_id)
+        blocks = self.blocks
+        for block_id in taken:
+            blocks[block_id].ref_count = 1
+        self.num_active_blocks += n
+        return taken
 
     def _unprotect(self, block: Block) -> None:
         block.protected = False

@@ -205,8 +205,9 @@ class KVCacheManager:
                 seq.num_cached_tokens = seq.num_computed_tokens
         elif prefix:
             raise ValueError(f"{seq.request_id}: a prefix can only start an empty block table")
-        for _ in range(self._blocks_needed(seq, num_new_tokens)):
-            seq.block_table.append(self._take_free().block_id)
+        needed = self._blocks_needed(seq, num_new_tokens)
+        if needed:
+            seq.block_table += self._take_free_ids(needed)
 
     def _take_prefix(self, seq: Sequence, prefix: Prefix) -> None:
         seq.block_table.extend([NULL_BLOCK] * prefix.skipped)
@@ -242,10 +243,9 @@ class KVCacheManager:
         """Release all of `seq`'s blocks; it keeps its tokens and hashes (recompute on resume)."""
         # Tail first: a sequence's last blocks are the least likely to be shared, so they
         # should be the first evicted.
-        for block_id in reversed(seq.block_table):
-            if block_id != NULL_BLOCK:
-                self.pool.release(block_id)
-        seq.block_table.clear()
+        table = seq.block_table
+        self.pool.release_many(block_id for block_id in reversed(table) if block_id != NULL_BLOCK)
+        table.clear()
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
 
@@ -281,9 +281,8 @@ class KVCacheManager:
         start = end
         while start > 0 and table[start - 1] != NULL_BLOCK:
             start -= 1
-        for i in range(start, end):
-            self.pool.release(table[i])
-            table[i] = NULL_BLOCK
+        self.pool.release_many(table[start:end])
+        table[start:end] = [NULL_BLOCK] * (end - start)
 
     def retain(self, held: Held) -> None:
         """One more reference on held blocks (a reader copying them out)."""
@@ -292,8 +291,7 @@ class KVCacheManager:
 
     def release(self, held: Held) -> None:
         """Drop the references `hold` took; full blocks stay cached until evicted."""
-        for block_id, _ in held.blocks:
-            self.pool.release(block_id)
+        self.pool.release_many(block_id for block_id, _ in held.blocks)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Enter `seq`'s newly computed full blocks into the prefix cache; call after each step."""
@@ -397,11 +395,15 @@ class KVCacheManager:
         )
 
     def _take_free(self) -> Block:
-        block, evicted = self.pool.take_free()
-        if evicted is not None:
+        return self.pool.blocks[self._take_free_ids(1)[0]]
+
+    def _take_free_ids(self, n: int) -> list[int]:
+        evicted: list[int] = []
+        taken = self.pool.take_free_many(n, evicted)
+        if evicted:
             last = self._events[-1] if self._events else None
             if isinstance(last, BlockRemoved) and last.tier == "device":  # evictions in a row: one event
-                last.seq_hashes.append(evicted)
+                last.seq_hashes += evicted
             else:
-                self._events.append(BlockRemoved(seq_hashes=[evicted]))
-        return block
+                self._events.append(BlockRemoved(seq_hashes=evicted))
+        return taken

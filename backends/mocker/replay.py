@@ -8,7 +8,9 @@ events reach the router `kv_event_delay_ms` later, as they would over the event 
 Nothing sleeps, so an hour of traffic replays in seconds. Most steps of a lightly loaded
 worker are the same decode step over and over; a run of them up to the next change (a block
 filling, a request ending, an arrival) is one event (`MockerCore.decode_stretch`), with the
-outputs and times that stepping each would give.
+outputs and times that stepping each would give. An arrival elsewhere changes nothing a
+stretch depends on, so a stretch runs to its end unless a request arrives for its own worker:
+then it ends with the last of its steps that started before the arrival.
 
 Disaggregation (`prefill_router` and `num_prefill_workers`): a second pool of mockers takes
 the prefills the policy (`router.disagg`, the frontend's own) sends there, as the frontend's
@@ -24,7 +26,6 @@ package stays below the backends and imports none of them.
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import count
@@ -42,7 +43,7 @@ from router.protocols import RouteRequest
 from router.replay import RequestRecord, TraceRequest, TraceTokens
 from router.router import Router
 
-_ARRIVAL, _STEP_DONE, _KV_EVENTS, _HANDOVER = 0, 1, 2, 3
+_ARRIVAL, _STEP_DONE, _KV_EVENTS, _HANDOVER, _STRETCH_DONE = 0, 1, 2, 3, 4
 
 
 class VirtualClock:
@@ -61,6 +62,11 @@ class _Worker:
     core: MockerCore
     router: Router  # its pool's
     busy: bool = False
+    # The decode stretch it is in, if any: (start, step_ms, steps), not yet applied to the core
+    # (an arrival for this worker may cut it short); its event counts only while the
+    # worker's `stretches` is the number the event carries.
+    stretch: tuple[float, float, int] | None = None
+    stretches: int = 0
 
 
 @dataclass(slots=True)
@@ -124,8 +130,6 @@ class OfflineReplay:
         # A prefill pool's handovers arrive at times no trace tells in advance: stretches
         # could run past one, so disaggregated replays step one at a time.
         self._stretches = stretches and prefill_router is None
-        self._arrival_ms: list[float] = []  # the trace's arrival times, in order
-        self._arrived = 0  # how many of them have come
 
     def run(
         self, trace: Sequence[TraceRequest], on_finish: Callable[[RequestRecord], None] | None = None
@@ -136,9 +140,8 @@ class OfflineReplay:
             w.router.add_worker(w.worker_id, total_blocks=self.config.num_blocks)
             w.router.apply_kv_snapshot(replace(w.core.kv_snapshot(), worker_id=w.worker_id))
         start = trace[0].timestamp_ms if trace else 0.0
-        self._arrival_ms = [request.timestamp_ms - start for request in trace]
-        for at, request in zip(self._arrival_ms, trace, strict=True):
-            self._push(at, _ARRIVAL, request)
+        for request in trace:
+            self._push(request.timestamp_ms - start, _ARRIVAL, request)
         while self._events:
             now, _, kind, payload = heapq.heappop(self._events)
             self.clock.now_ms = now
@@ -151,6 +154,9 @@ class OfflineReplay:
             elif kind == _HANDOVER:
                 assert isinstance(payload, _Handover)
                 self._hand_over(now, payload)
+            elif kind == _STRETCH_DONE:
+                assert isinstance(payload, tuple)
+                self._stretch_done(now, *payload)
             else:
                 assert isinstance(payload, list)
                 for batch in payload:
@@ -161,7 +167,6 @@ class OfflineReplay:
         heapq.heappush(self._events, (at, next(self._seq), kind, payload))
 
     def _arrive(self, now: float, request: TraceRequest) -> None:
-        self._arrived += 1
         request_id = f"trace-{request.line}"
         record = RequestRecord(arrival_ms=now, prompt_tokens=request.input_length)
         self._records[request_id] = record
@@ -194,6 +199,8 @@ class OfflineReplay:
         record: RequestRecord,
         arrived: dict[int, Payload] | None = None,
     ) -> None:
+        if worker.stretch is not None:
+            self._cut_stretch(now, worker)
         try:
             worker.core.add(work, arriving=arrived is not None)
             if arrived is not None:
@@ -220,23 +227,42 @@ class OfflineReplay:
         self._push(now + result.duration_ms, _STEP_DONE, (worker, result))
 
     def _take_stretch(self, now: float, worker: _Worker) -> bool:
-        """Take the worker's next steps at once when they are all the same decode step, up to
-        the first that a request arriving meanwhile could join (one starting at or after the
-        next arrival): the same outputs at the same times as stepping them one by one, for
-        one event instead of many."""
+        """Take the worker's next steps at once when they are all the same decode step: the
+        same outputs at the same times as stepping them one by one, for one event instead of
+        many. They are applied to the core when the stretch ends (`_cut_stretch` may end it
+        earlier)."""
         steps, step_ms = worker.core.decode_stretch()
         if not steps:
             return False
-        limit = self._arrival_ms[self._arrived] if self._arrived < len(self._arrival_ms) else math.inf
-        end, taken = now + step_ms, 1
-        while taken < steps and end < limit:  # the step starting at `end` admits nobody
-            end += step_ms  # added step by step, as one event per step would be timed
-            taken += 1
-        if taken < 2:
-            return False
+        end = now
+        for _ in range(steps):  # added step by step, as one event per step would be timed
+            end += step_ms
         worker.busy = True
-        self._push(end, _STEP_DONE, (worker, worker.core.advance(taken, step_ms)))
+        worker.stretch = (now, step_ms, steps)
+        worker.stretches += 1
+        self._push(end, _STRETCH_DONE, (worker, worker.stretches))
         return True
+
+    def _stretch_done(self, now: float, worker: _Worker, stretch: int) -> None:
+        if stretch != worker.stretches or worker.stretch is None:
+            return  # cut short: its own end was queued then
+        _, step_ms, steps = worker.stretch
+        worker.stretch = None
+        self._step_done(now, worker, worker.core.advance(steps, step_ms))
+
+    def _cut_stretch(self, now: float, worker: _Worker) -> None:
+        """A request arrives at `now` for a worker in a stretch: the stretch ends with the last
+        step that started before `now`, the first step the request could join being the
+        next."""
+        assert worker.stretch is not None
+        start, step_ms, steps = worker.stretch
+        end, taken = start + step_ms, 1
+        while taken < steps and end < now:
+            end += step_ms
+            taken += 1
+        worker.stretch = None
+        worker.stretches += 1  # its queued end no longer counts
+        self._push(end, _STEP_DONE, (worker, worker.core.advance(taken, step_ms)))
 
     def _step_done(self, now: float, worker: _Worker, result: StepResult) -> None:
         for out in result.outputs:

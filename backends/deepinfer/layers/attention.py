@@ -50,16 +50,26 @@ def prefill_attention(
             mask &= ~ones.tril(diagonal=length - n - window)
     # 4-D, with a batch of one: on CPU, SDPA takes its flash kernel only for 4-D inputs; 3-D
     # ones fall to the math path, which materialises every score (7x slower at 2,048 tokens).
+    # Head-major copies on CPU: its flash kernel runs 4-7 % faster on contiguous inputs
+    # than on views of the fused projection (1,000 to 8,000 tokens), far more than the
+    # copies cost; a GPU's kernels take the views as they are.
+    copy = q.device.type == "cpu"
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
+        _heads_first(q, copy),
+        _heads_first(k, copy),
+        _heads_first(v, copy),
         attn_mask=mask,
         is_causal=mask is None,
         scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
     return out.squeeze(0).transpose(0, 1)
+
+
+def _heads_first(x: torch.Tensor, copy: bool) -> torch.Tensor:
+    """`[L, H, d]` -> `[1, H, L, d]`, contiguous if `copy`."""
+    x = x.transpose(0, 1)
+    return (x.contiguous() if copy else x).unsqueeze(0)
 
 
 def grouped_decode_attention(

@@ -6,10 +6,10 @@ recently freed first: a cached block whose last user leaves stays findable by it
 a fresh block is needed and no uncached one is left. What a hit or an eviction means (events,
 lower tiers) is the KV cache manager's business (kv_cache_manager.py).
 
-Eviction is LRU, as in vLLM, or segmented LRU (`protected_share` > 0; Karedla et al., 1994):
+Eviction is LRU, as in vLLM, or segmented LRU (`slru`; Karedla et al., 1994):
 a cached block that a prefix hit reuses becomes protected, and free protected blocks are
 evicted only once no unprotected one is left, so a stream of prompts seen once cannot flush
-the prefixes that are shared. At most `protected_share` of the blocks are protected; past
+the prefixes that are shared. At most `PROTECTED_SHARE` of the blocks are protected; past
 that, the least recently freed protected block goes back to the unprotected ones.
 """
 
@@ -43,19 +43,17 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, protected_share: float = 0.0) -> None:
-        """`protected_share`: 0 for LRU, else segmented LRU's protected share of the blocks."""
+    def __init__(self, num_blocks: int, eviction: Eviction = "lru") -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-        if not 0.0 <= protected_share < 1.0:
-            raise ValueError(f"protected_share must be in [0, 1), got {protected_share}")
+        check_eviction(eviction)
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.cached: dict[int, Block] = {}  # seq_hash -> the block holding it
         self._free_uncached: list[int] = list(range(num_blocks - 1, -1, -1))
         self._free_cached: OrderedDict[int, Block] = OrderedDict()  # unprotected, evicted first
         self._free_protected: OrderedDict[int, Block] = OrderedDict()
-        self._protected_limit = int(num_blocks * protected_share)
+        self._protected_limit = int(num_blocks * PROTECTED_SHARE) if eviction == "slru" else 0
         self._num_protected = 0
         self.num_active_blocks = 0  # blocks with ref_count > 0
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from backends.deepinfer.block_pool import PROTECTED_SHARE, Block, BlockPool, Eviction
+from backends.deepinfer.block_pool import Block, BlockPool, Eviction
 from backends.deepinfer.outputs import BlockLoad, LoadSource
 from backends.deepinfer.sequence import Sequence
 from kvbm.records import Payload
@@ -99,7 +99,7 @@ class KVCacheManager:
         sliding_window: int | None = None,
         eviction: Eviction = "lru",
     ) -> None:
-        self.pool = BlockPool(num_blocks, PROTECTED_SHARE if eviction == "slru" else 0.0)
+        self.pool = BlockPool(num_blocks, eviction)
         self.sliding_window = sliding_window  # the model's, when every layer attends within one
         self.num_blocks = num_blocks
         self.block_size = block_size

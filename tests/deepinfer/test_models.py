@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from backends.deepinfer.config import EngineConfig
+from backends.deepinfer.layers.rotary import RotaryEmbedding
 from backends.deepinfer.model_runner import ModelRunner
 from backends.deepinfer.outputs import ScheduledChunk, SchedulerOutput
 from backends.deepinfer.sequence import Sequence
@@ -370,6 +371,15 @@ def test_kv_cache_size_and_bytes_per_token(tiny_llama_dir: Path, tiny_deepseek_d
     mla = make_runner(tiny_deepseek_dir)
     c = mla.hf_config
     assert mla.kv_bytes_per_token == c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * 4
+
+
+def test_the_layers_share_one_rotary_table(tiny_llama_dir: Path, tiny_deepseek_dir: Path) -> None:
+    """A table per layer would cost the layer count times its memory (67 MB each at a 128k
+    context and 128-wide heads), and every layer rotates by the same angles."""
+    for model_dir in (tiny_llama_dir, tiny_deepseek_dir):
+        model = make_runner(model_dir).model
+        tables = {id(m) for m in model.modules() if isinstance(m, RotaryEmbedding)}
+        assert len(tables) == 1, model_dir.name
 
 
 def test_bad_inputs_are_clear_errors(tiny_llama_dir: Path, tmp_path: Path) -> None:

@@ -22,14 +22,21 @@ from backends.deepinfer.hf_config import HFConfig
 from backends.deepinfer.layers.attention import decode_attention, gather, prefill_attention, store
 from backends.deepinfer.layers.linear import Linear
 from backends.deepinfer.layers.norm import RMSNorm
-from backends.deepinfer.layers.rotary import rope_from_config, yarn_mscale
+from backends.deepinfer.layers.rotary import RotaryEmbedding, rope_from_config, yarn_mscale
 
 # DeepSeek's latent norms use the RMSNorm default, not the model's rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
 
 
+def mla_rope(config: HFConfig, max_positions: int) -> RotaryEmbedding:
+    """The rotation of the `qk_rope_head_dim` part, one table shared by the model's layers."""
+    interleaved = bool(config.get("rope_interleave", True))
+    return rope_from_config(config.rope_parameters, config.qk_rope_head_dim, max_positions, interleaved)
+
+
 class MLAttention(nn.Module):
-    def __init__(self, config: HFConfig, max_positions: int) -> None:
+    def __init__(self, config: HFConfig, rotary_emb: RotaryEmbedding) -> None:
+        """`rotary_emb`: the model's `mla_rope`."""
         super().__init__()
         hidden, heads = config.hidden_size, config.num_attention_heads
         self.num_heads = heads
@@ -55,9 +62,7 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(heads * self.v_dim, hidden, bias=bias)
 
         rope = config.rope_parameters
-        self.rotary_emb = rope_from_config(
-            rope, self.rope_dim, max_positions, interleaved=bool(config.get("rope_interleave", True))
-        )
+        self.rotary_emb = rotary_emb
         self.scale = qk_dim**-0.5
         if rope["rope_type"] == "yarn" and rope.get("mscale_all_dim"):
             self.scale *= yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2

@@ -19,10 +19,11 @@ from backends.deepinfer.forward_batch import ForwardBatch
 from backends.deepinfer.hf_config import HFConfig
 from backends.deepinfer.layers.embed import LMHead, VocabEmbedding
 from backends.deepinfer.layers.linear import Linear
-from backends.deepinfer.layers.mla import MLAttention
+from backends.deepinfer.layers.mla import MLAttention, mla_rope
 from backends.deepinfer.layers.mlp import GatedMLP
 from backends.deepinfer.layers.moe import DeepseekMoE, expert_weight_target
 from backends.deepinfer.layers.norm import RMSNorm
+from backends.deepinfer.layers.rotary import RotaryEmbedding
 from backends.deepinfer.models.base import CausalLM, DecoderLayer
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
@@ -30,13 +31,13 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _MTP_PARTS = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
 
 
-def _decoder_layer(config: HFConfig, index: int, max_positions: int) -> DecoderLayer:
+def _decoder_layer(config: HFConfig, index: int, rope: RotaryEmbedding) -> DecoderLayer:
     mlp: nn.Module
     if index < config.get("first_k_dense_replace", 0):
         mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.get("hidden_act", "silu"))
     else:
         mlp = DeepseekMoE(config)
-    return DecoderLayer(MLAttention(config, max_positions), mlp, config.hidden_size, config.rms_norm_eps)
+    return DecoderLayer(MLAttention(config, rope), mlp, config.hidden_size, config.rms_norm_eps)
 
 
 class SharedHead(nn.Module):
@@ -50,14 +51,14 @@ class MTPLayer(nn.Module):
     """One multi-token-prediction module (DeepSeek-V3 report, section 2.2), with its checkpoint's
     own embedding and head (copies of the main model's in the released weights)."""
 
-    def __init__(self, config: HFConfig, index: int, max_positions: int) -> None:
+    def __init__(self, config: HFConfig, index: int, rope: RotaryEmbedding) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.embed_tokens = VocabEmbedding(config.vocab_size, hidden)
         self.enorm = RMSNorm(hidden, eps)
         self.hnorm = RMSNorm(hidden, eps)
         self.eh_proj = Linear(2 * hidden, hidden)
-        self.block = _decoder_layer(config, index, max_positions)
+        self.block = _decoder_layer(config, index, rope)
         self.shared_head = SharedHead(config)
 
     def forward(self, batch: ForwardBatch, previous_hidden: torch.Tensor) -> torch.Tensor:
@@ -82,11 +83,12 @@ class DeepseekV3ForCausalLM(CausalLM):
             raise ValueError(
                 f"{config.architecture}: {mtp_layers} MTP layers asked for, the checkpoint has {available}"
             )
-        layers = [_decoder_layer(config, i, max_positions) for i in range(config.num_hidden_layers)]
+        rope = mla_rope(config, max_positions)
+        layers = [_decoder_layer(config, i, rope) for i in range(config.num_hidden_layers)]
         super().__init__(config, layers)
         # After the main model's modules, so the MTP layers' caches come last among cache layers.
         first = config.num_hidden_layers
-        self.mtp = nn.ModuleList(MTPLayer(config, first + j, max_positions) for j in range(mtp_layers))
+        self.mtp = nn.ModuleList(MTPLayer(config, first + j, rope) for j in range(mtp_layers))
 
     def weight_target(self, name: str) -> tuple[str, Any] | None:
         layer = _LAYER.match(name)

@@ -11,14 +11,26 @@ from backends.deepinfer.layers.attention import Attention
 from backends.deepinfer.layers.linear import Linear, MergedLinear
 from backends.deepinfer.layers.mlp import GatedMLP
 from backends.deepinfer.layers.norm import RMSNorm
-from backends.deepinfer.layers.rotary import rope_from_config
+from backends.deepinfer.layers.rotary import RotaryEmbedding, rope_from_config
 from backends.deepinfer.models.base import CausalLM, DecoderLayer
+
+
+def llama_rope(config: HFConfig, max_positions: int) -> RotaryEmbedding:
+    """The rotations of every layer: one table per model, not one per layer (at a 128k context
+    and 128-wide heads each copy is 67 MB, memory the KV cache could have had)."""
+    return rope_from_config(config.rope_parameters, config.head_dim, max_positions)
 
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: HFConfig, max_positions: int, qkv_bias: bool, o_bias: bool, qk_norm: bool = False
+        self,
+        config: HFConfig,
+        rotary_emb: RotaryEmbedding,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool = False,
     ) -> None:
+        """`rotary_emb`: the model's one table of rotations (`llama_rope`), shared by its layers."""
         super().__init__()
         heads, kv_heads, head_dim = (
             config.num_attention_heads,
@@ -36,7 +48,7 @@ class LlamaAttention(nn.Module):
         # Qwen3: one RMSNorm over each head's q and k (weights of size head_dim), before RoPE.
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
-        self.rotary_emb = rope_from_config(config.rope_parameters, head_dim, max_positions)
+        self.rotary_emb = rotary_emb
         self.attn = Attention(heads, kv_heads, head_dim, head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -60,9 +72,10 @@ class LlamaForCausalLM(CausalLM):
             raise ValueError("mlp_bias=True is not supported")
         o_bias = bool(config.get("attention_bias", False))
         qkv_bias = o_bias if self.qkv_bias is None else self.qkv_bias
+        rope = llama_rope(config, max_positions)
         layers = [
             DecoderLayer(
-                LlamaAttention(config, max_positions, qkv_bias, o_bias, self.qk_norm),
+                LlamaAttention(config, rope, qkv_bias, o_bias, self.qk_norm),
                 GatedMLP(config.hidden_size, config.intermediate_size, config.get("hidden_act", "silu")),
                 config.hidden_size,
                 config.rms_norm_eps,

@@ -12,7 +12,7 @@ from backends.deepinfer.hf_config import HFConfig
 from backends.deepinfer.layers.mlp import GatedMLP
 from backends.deepinfer.layers.moe import Qwen3MoE, expert_weight_target
 from backends.deepinfer.models.base import CausalLM, DecoderLayer
-from backends.deepinfer.models.llama import LlamaAttention
+from backends.deepinfer.models.llama import LlamaAttention, llama_rope
 
 
 class Qwen3MoeForCausalLM(CausalLM):
@@ -20,6 +20,7 @@ class Qwen3MoeForCausalLM(CausalLM):
         bias = bool(config.get("attention_bias", False))
         dense_only = set(config.get("mlp_only_layers") or ())
         step = int(config.get("decoder_sparse_step", 1))
+        rope = llama_rope(config, max_positions)
         layers = []
         for index in range(config.num_hidden_layers):
             mlp: nn.Module
@@ -27,7 +28,7 @@ class Qwen3MoeForCausalLM(CausalLM):
                 mlp = Qwen3MoE(config)
             else:
                 mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.get("hidden_act", "silu"))
-            attention = LlamaAttention(config, max_positions, bias, bias, qk_norm=True)
+            attention = LlamaAttention(config, rope, bias, bias, qk_norm=True)
             layers.append(DecoderLayer(attention, mlp, config.hidden_size, config.rms_norm_eps))
         super().__init__(config, layers)
 

@@ -50,11 +50,11 @@ def prefill_attention(
     # Head-major copies on CPU: its flash kernel runs 4-7 % faster on contiguous inputs
     # than on views of the fused projection (1,000 to 8,000 tokens), far more than the
     # copies cost; a GPU's kernels take the views as they are.
-    copy = q.device.type == "cpu"
+    on_cpu = q.device.type == "cpu"
     # 4-D, with a batch of one: on CPU, SDPA takes its flash kernel only for 4-D inputs; 3-D
     # ones fall to the math path, which materialises every score (7x slower at 2,048 tokens).
-    qh, kh, vh = _heads_first(q, copy), _heads_first(k, copy), _heads_first(v, copy)
-    if n != length and not windowed and copy and k.shape[-1] == v.shape[-1]:
+    qh, kh, vh = _heads_first(q, on_cpu), _heads_first(k, on_cpu), _heads_first(v, on_cpu)
+    if n != length and not windowed and on_cpu and k.shape[-1] == v.shape[-1]:
         out = _after_cached_prefix(qh, kh, vh, scale)
     else:
         mask = None

@@ -19,6 +19,7 @@ from backends.deepinfer.config import EngineConfig
 from backends.deepinfer.decode_graphs import DecodeGraphs
 from backends.deepinfer.forward_batch import DecodePlan, DecodeRows, ForwardBatch, PrefillSpan, carry_over
 from backends.deepinfer.hf_config import HFConfig
+from backends.deepinfer.host_memory import keep_large_buffers
 from backends.deepinfer.kv_arrival import KVArrival
 from backends.deepinfer.kv_cache import PagedKVCache
 from backends.deepinfer.kv_cache_manager import NULL_BLOCK
@@ -119,6 +120,8 @@ class ModelRunner:
         started = time.monotonic()
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            keep_large_buffers()
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_dir = Path(config.model)
         self.hf_config = HFConfig.load(self.model_dir)

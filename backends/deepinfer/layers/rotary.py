@@ -52,7 +52,14 @@ class RotaryEmbedding(nn.Module):
             x1, x2 = x[..., 0::2], x[..., 1::2]
         else:
             x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        # Straight into the two halves of the output: no temporaries and no concatenation.
+        # addcmul may fuse its multiply and add, so a value can differ from transformers' in
+        # its last bit.
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        first, second = out.chunk(2, dim=-1)
+        torch.mul(x1, cos, out=first).addcmul_(x2, sin, value=-1)
+        torch.mul(x2, cos, out=second).addcmul_(x1, sin)
+        return out
 
 
 def rope_from_config(

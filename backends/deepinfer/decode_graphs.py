@@ -12,7 +12,7 @@ A graph replays fixed shapes at fixed addresses, so:
   second layer on, so it must not share row 0's slot);
 - it attends over a static decode workspace per layer, `[rows, Hk, capacity, d]`, whole: the
   mask hides what lies past each row's context. The rows carry over between steps as in the
-  eager path (`forward_batch.carry_over`): before a replay, rows that moved or are new are
+  eager path (`forward_batch.assign_rows`): before a replay, rows that moved or are new are
   filled in eagerly, the new ones from the paged cache up to the token before this step's;
   the graph appends this step's k/v to every row;
 - graphs are captured lazily, one per batch size for the workspace's capacity, which is a
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from backends.deepinfer.forward_batch import DecodeRows, ForwardBatch, StaticDecode, carry_over
+from backends.deepinfer.forward_batch import DecodeRows, ForwardBatch, StaticDecode, assign_rows
 from backends.deepinfer.layers.attention import Attention, gather
 from backends.deepinfer.models.base import CausalLM
 from backends.deepinfer.sequence import Sequence
@@ -86,7 +86,6 @@ class DecodeGraphs:
         self._inputs = torch.zeros(4, self.sizes[-1], dtype=torch.long, device=self.device)
         self._workspaces: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._rows = DecodeRows()  # what the workspaces' rows hold
-        self._num_rows = 0
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # size -> graph, its logits
         self._pool: Any = None  # the graphs' memory pool
         self.steps = 0  # decode steps run in fixed shapes
@@ -108,7 +107,7 @@ class DecodeGraphs:
         """The workspaces' rows and capacity for a step of `size` rows: the current ones, or
         grown to hold it (rows at least doubling, so a batch that ramps up re-captures a few
         times, not at every size)."""
-        rows, capacity = self._num_rows, self._rows.capacity
+        rows, capacity = self._rows.num_rows, self._rows.capacity
         if size > rows:
             rows = max(size, min(2 * rows, self.sizes[-1]))
         needed = min(max(_MIN_CAPACITY, self.block_size, 1 << (longest - 1).bit_length()), self.max_capacity)
@@ -116,7 +115,7 @@ class DecodeGraphs:
 
     def reset(self) -> None:
         """After a failed step: the workspaces may be half written, so every row is rebuilt."""
-        self._rows = DecodeRows(capacity=self._rows.capacity)
+        self._rows = DecodeRows(num_rows=self._rows.num_rows, capacity=self._rows.capacity)
 
     def run(
         self,
@@ -133,23 +132,31 @@ class DecodeGraphs:
         self.steps += 1
         size = self._size(n)
         rows, capacity = self._shape(size, max(lengths))
-        if (rows, capacity) != (self._num_rows, self._rows.capacity):
+        if (rows, capacity) != (self._rows.num_rows, self._rows.capacity):
             self._grow(rows, capacity)
-        keep_from, keep_to, fresh = carry_over(self._rows, seqs, lengths)
-        if keep_from != keep_to:
-            self._move(keep_from, keep_to)
-        if fresh:
-            self._fill([tables[i] for i in fresh], [lengths[i] - 1 for i in fresh], fresh)
+        plan = assign_rows(self._rows, seqs, lengths)
+        if plan.move_from:
+            self._move(plan.move_from, plan.move_to)
+        order = plan.order  # row r runs sequence order[r]
+        ids, slots = [ids[i] for i in order], [slots[i] for i in order]
+        tables, lengths = [tables[i] for i in order], [lengths[i] for i in order]
+        if plan.fresh:
+            self._fill([tables[r] for r in plan.fresh], [lengths[r] - 1 for r in plan.fresh], plan.fresh)
         pad = size - n
         positions = [length - 1 for length in lengths]
         columns = [ids + ids[:1] * pad, positions + positions[:1] * pad]
         columns += [slots + [self.scratch_slot] * pad, lengths + lengths[:1] * pad]
         self._inputs[:, :size].copy_(torch.tensor(columns, dtype=torch.long))
-        if not self.capture:
-            return self._step(size)[:n]
-        graph, logits = self._graphs.get(size) or self._capture(size)
-        graph.replay()
-        return logits[:n].clone()  # the next replay overwrites the graph's output
+        if self.capture:
+            graph, logits = self._graphs.get(size) or self._capture(size)
+            graph.replay()
+        else:
+            logits = self._step(size)
+        rows_of = [0] * n  # sequence i's row
+        for row, i in enumerate(order):
+            rows_of[i] = row
+        # In the callers' order, and a copy: the next replay overwrites the graph's output.
+        return logits.index_select(0, torch.tensor(rows_of, device=self.device))
 
     # ------------------------------------------------------------------ workspaces
 
@@ -167,7 +174,7 @@ class DecodeGraphs:
                     workspace[: previous.shape[0], :, : previous.shape[2]] = previous
                 pair.append(workspace)
             self._workspaces.append((pair[0], pair[1]))
-        self._num_rows, self._rows.capacity = rows, capacity
+        self._rows.num_rows, self._rows.capacity = rows, capacity
         self._graphs.clear()
         self._pool = None
 

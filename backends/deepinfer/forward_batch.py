@@ -49,54 +49,82 @@ class PrefillSpan:
 @dataclass(slots=True)
 class DecodeRows:
     """What a set of layers' decode workspaces hold after the last step that wrote them: the
-    sequence and context length of each row, and the rows' capacity in positions."""
+    sequence and context length of each row in use, how many rows the workspaces have, and
+    their capacity in positions."""
 
     seqs: list[Sequence] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
+    num_rows: int = 0
     capacity: int = 0
 
 
-class CarryOver(NamedTuple):
-    keep_from: list[int]  # previous rows that continue ...
-    keep_to: list[int]  # ... at these rows
+class RowPlan(NamedTuple):
+    order: list[int]  # row r holds this step's decode sequence order[r]
+    move_from: list[int]  # rows past the new batch whose sequences continue ...
+    move_to: list[int]  # ... in these rows, which sequences that left freed
     fresh: list[int]  # rows to rebuild from the paged cache
+    kept: list[int]  # rows whose sequence continues (in place or moved), in order
 
 
-def carry_over(rows: DecodeRows, seqs: list[Sequence], lengths: Seq[int]) -> CarryOver:
-    """Which of this step's rows continue a row of the previous step (the same sequence, one
-    token further on) and which must be rebuilt; `rows` then describes this step."""
+def assign_rows(rows: DecodeRows, seqs: list[Sequence], lengths: Seq[int]) -> RowPlan:
+    """Which workspace row each of this step's decode sequences takes, so that as little as
+    possible moves: a sequence that continues (the same one, one token further on) keeps its
+    row; the rows of those that left go to the new ones and, when the batch shrank, to the
+    continuing sequences of the rows past its end. A sequence leaving costs one row's move at
+    most, never a shift of every row after it. `rows` then describes this step, in row order."""
     previous = {id(s): (row, n) for row, (s, n) in enumerate(zip(rows.seqs, rows.lengths, strict=True))}
-    rows.seqs, rows.lengths = seqs, list(lengths)
-    out = CarryOver([], [], [])
-    for row, (seq, n) in enumerate(zip(seqs, lengths, strict=True)):
+    size = len(seqs)
+    order: list[int | None] = [None] * size
+    outside: list[tuple[int, int]] = []  # (previous row, sequence) of continuing rows past the batch
+    new: list[int] = []
+    for i, (seq, n) in enumerate(zip(seqs, lengths, strict=True)):
         old = previous.get(id(seq))  # the previous list is alive, so ids are unambiguous
-        if old is not None and old[1] == n - 1:
-            out.keep_from.append(old[0])
-            out.keep_to.append(row)
+        if old is None or old[1] != n - 1:
+            new.append(i)
+        elif old[0] < size:
+            order[old[0]] = i
         else:
-            out.fresh.append(row)
-    return out
+            outside.append((old[0], i))
+    holes = iter([row for row, i in enumerate(order) if i is None])
+    plan = RowPlan([], [], [], [], [])
+    for old_row, i in outside:
+        row = next(holes)
+        order[row] = i
+        plan.move_from.append(old_row)
+        plan.move_to.append(row)
+    for i in new:
+        row = next(holes)
+        order[row] = i
+        plan.fresh.append(row)
+    plan.order.extend(i for i in order if i is not None)
+    fresh = set(plan.fresh)
+    plan.kept.extend(row for row in range(size) if row not in fresh)
+    rows.seqs = [seqs[i] for i in plan.order]
+    rows.lengths = [lengths[i] for i in plan.order]
+    return plan
 
 
 @dataclass(slots=True)
 class DecodePlan:
     """How the decode tokens' contexts sit in the attention layers' decode workspaces
-    (`[B, Hk, capacity, d]`, row i for decode token i), decided once per step by the runner.
+    (`[rows, Hk, capacity, d]`, row i for decode token i; rows past the batch are unused),
+    decided once per step by the runner (`assign_rows`).
 
     A sequence that decoded in the previous step and is one token further on keeps its row's
-    contents (moved to its new row if the batch changed) and gets only this step's k/v
-    appended; any other row is rebuilt from the paged cache (after this step's k/v were stored
-    there). A stable batch thus writes one entry per row and layer instead of gathering every
-    context again."""
+    contents and gets only this step's k/v appended; any other row is rebuilt from the paged
+    cache (after this step's k/v were stored there). A stable batch thus writes one entry per
+    row and layer instead of gathering every context again, and a changed one rewrites only
+    the rows that changed, in place (a workspace is reallocated only to grow)."""
 
+    rows: int  # rows of the workspaces (at least the batch)
     capacity: int  # positions per workspace row (a multiple of the block size)
     length: int  # the longest context this step
     mask: torch.Tensor | None  # [B, 1, 1, length] bool, True on real context; None if all are `length`
     # The same for layers with a sliding window: True on the keys within it; None when no
     # layer has one or no context is longer than it (then `mask` serves them too).
     window_mask: torch.Tensor | None
-    reuse: bool  # every row continues in place: append to the previous workspace (its first B rows)
-    keep_from: torch.Tensor | None  # [K] previous rows that continue (None when `reuse` or K = 0)
+    move_from: torch.Tensor | None  # [M] rows past the batch whose sequences continue ...
+    move_to: torch.Tensor | None  # [M] ... in these rows (None when M = 0)
     fresh: torch.Tensor | None  # [F] rows rebuilt from the paged cache
     append_rows: torch.Tensor | None  # [K] rows of the continuing sequences, which take this step's k/v
     append_positions: torch.Tensor | None  # [K] where: each one's own position (context length - 1)

@@ -17,7 +17,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from backends.deepinfer.config import EngineConfig
 from backends.deepinfer.decode_graphs import DecodeGraphs
-from backends.deepinfer.forward_batch import DecodePlan, DecodeRows, ForwardBatch, PrefillSpan, carry_over
+from backends.deepinfer.forward_batch import (
+    DecodePlan,
+    DecodeRows,
+    ForwardBatch,
+    PrefillSpan,
+    RowPlan,
+    assign_rows,
+)
 from backends.deepinfer.hf_config import HFConfig
 from backends.deepinfer.host_memory import keep_large_buffers
 from backends.deepinfer.kv_arrival import KVArrival
@@ -426,25 +433,25 @@ class ModelRunner:
             sample_index=self._tensor(lists.sample_index),
         )
         if lists.decode_index:
-            tables = lists.decode_tables
-            width = max(len(t) for t in tables)
+            width = max(len(t) for t in lists.decode_tables)
+            rows_plan = assign_rows(rows, lists.decode_seqs, lists.decode_lengths)
+            order = rows_plan.order  # the decode tokens in workspace row order
+            tables = [lists.decode_tables[i] for i in order]
             padded = [t + [0] * (width - len(t)) for t in tables]  # block 0: masked out
-            batch.decode_index = self._tensor(lists.decode_index)
+            batch.decode_index = self._tensor([lists.decode_index[i] for i in order])
             batch.decode_blocks = self._tensor(padded)
-            batch.decode_plan = self._decode_plan(lists.decode_seqs, lists.decode_lengths, width, rows)
+            batch.decode_plan = self._decode_plan(rows_plan, rows, width)
         return batch
 
-    def _decode_plan(
-        self, seqs: list[Sequence], lengths: list[int], width: int, rows: DecodeRows
-    ) -> DecodePlan:
-        """Which workspace rows carry over from the previous step (a sequence one token further
-        on) and which are rebuilt from the paged cache (new to decoding, or everything when the
-        longest context outgrows the workspace; then it is sized with room to grow)."""
+    def _decode_plan(self, plan: RowPlan, rows: DecodeRows, width: int) -> DecodePlan:
+        """The step's workspace plan from its row assignment; the workspaces grow when the
+        batch or its longest context outgrows them (rows to a multiple of 8, positions with
+        room for a few more blocks), keeping what their rows hold."""
+        lengths = rows.lengths
         length = max(lengths)
         if length > rows.capacity:
             rows.capacity = (width + _WORKSPACE_HEADROOM_BLOCKS) * self.block_size
-            rows.seqs, rows.lengths = [], []  # a new workspace: nothing carries over
-        keep_from, keep_to, fresh = carry_over(rows, seqs, lengths)
+        rows.num_rows = max(rows.num_rows, -(-len(lengths) // 8) * 8)
         lengths_t = self._tensor(lengths)
         mask = window_mask = None
         window = self._window
@@ -455,18 +462,18 @@ class ModelRunner:
             if window is not None and length > window:
                 # The token at length - 1 sees the `window` keys up to itself.
                 window_mask = (real & (at >= lengths_t[:, None] - window))[:, None, None, :]
-        kept = self._tensor(keep_to)
-        reuse = not fresh and keep_from == keep_to  # every row continues where it was
+        kept = self._tensor(plan.kept) if plan.kept else None
         return DecodePlan(
+            rows=rows.num_rows,
             capacity=rows.capacity,
             length=length,
             mask=mask,
             window_mask=window_mask,
-            reuse=reuse,
-            keep_from=None if reuse or not keep_from else self._tensor(keep_from),
-            fresh=self._tensor(fresh) if fresh else None,
-            append_rows=kept if keep_to else None,
-            append_positions=lengths_t.index_select(0, kept) - 1 if keep_to else None,
+            move_from=self._tensor(plan.move_from) if plan.move_from else None,
+            move_to=self._tensor(plan.move_to) if plan.move_to else None,
+            fresh=self._tensor(plan.fresh) if plan.fresh else None,
+            append_rows=kept,
+            append_positions=None if kept is None else lengths_t.index_select(0, kept) - 1,
         )
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:

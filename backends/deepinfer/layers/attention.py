@@ -11,7 +11,7 @@ as much as the attention itself on CPU, while a step of a stable batch adds one 
 The head-major layout also lets the query heads that share a KV head attend as G queries of one
 head, which is faster than SDPA's `enable_gqa` on CPU. (A paged-attention kernel reading blocks
 in place would make the workspace unnecessary; its cost is a second copy of the decoding
-sequences' KV, and one copy of the workspace when a sequence joins or leaves the batch.)
+sequences' KV, and a row's copy when a sequence joins or leaves the batch.)
 """
 
 from __future__ import annotations
@@ -175,8 +175,9 @@ class Attention(nn.Module):
             index, plan = batch.decode_index, batch.decode_plan
             self.k_decode = _workspace(self.k_decode, self.k_cache, batch.decode_blocks, plan, k[index])
             self.v_decode = _workspace(self.v_decode, self.v_cache, batch.decode_blocks, plan, v[index])
-            keys = self.k_decode.narrow(2, 0, plan.length)
-            values = self.v_decode.narrow(2, 0, plan.length)
+            b = index.shape[0]
+            keys = self.k_decode[:b].narrow(2, 0, plan.length)
+            values = self.v_decode[:b].narrow(2, 0, plan.length)
             mask = (
                 plan.window_mask
                 if self.sliding_window is not None and plan.window_mask is not None
@@ -207,22 +208,25 @@ class Attention(nn.Module):
 def _workspace(
     previous: torch.Tensor, cache: torch.Tensor, blocks: torch.Tensor, plan: DecodePlan, new: torch.Tensor
 ) -> torch.Tensor:
-    """This step's decode workspace `[B, Hk, capacity, d]` for the block tables `blocks`
-    `[B, N]`, from the previous one and the paged `cache`; `new` `[B, Hk, d]` are this step's
-    entries. A fresh workspace is zero where nothing was written, so masked-out positions never
-    hold a NaN (a masked NaN still poisons the softmax)."""
-    b = blocks.shape[0]
-    if plan.reuse:
-        workspace = previous.narrow(0, 0, b)
-    else:
-        heads, dim = cache.shape[2], cache.shape[3]
-        workspace = cache.new_zeros(b, heads, plan.capacity, dim)
-        if plan.keep_from is not None:
-            assert plan.append_rows is not None
-            workspace.index_copy_(0, plan.append_rows, previous.index_select(0, plan.keep_from))
-        if plan.fresh is not None:
-            gathered = gather(cache, blocks.index_select(0, plan.fresh), plan.length)  # [F, length, Hk, d]
-            workspace[plan.fresh, :, : plan.length] = gathered.transpose(1, 2)
+    """This step's decode workspace `[rows, Hk, capacity, d]` for the block tables `blocks`
+    `[B, N]`: the previous one, updated in place (grown first if the plan needs more rows or
+    positions, keeping what it held), and the paged `cache`; `new` `[B, Hk, d]` are this
+    step's entries. A workspace starts as zeros and only ever receives KV entries, so the
+    masked-out positions past a row's context hold finite values, never a NaN (a masked NaN
+    still poisons the softmax)."""
+    heads, dim = cache.shape[2], cache.shape[3]
+    workspace = previous
+    if previous.shape != (plan.rows, heads, plan.capacity, dim):
+        workspace = cache.new_zeros(plan.rows, heads, plan.capacity, dim)
+        if previous.dim() == 4:
+            rows, positions = min(previous.shape[0], plan.rows), min(previous.shape[2], plan.capacity)
+            workspace[:rows, :, :positions] = previous[:rows, :, :positions]
+    if plan.move_from is not None:
+        assert plan.move_to is not None
+        workspace.index_copy_(0, plan.move_to, workspace.index_select(0, plan.move_from))
+    if plan.fresh is not None:
+        gathered = gather(cache, blocks.index_select(0, plan.fresh), plan.length)  # [F, length, Hk, d]
+        workspace[plan.fresh, :, : plan.length] = gathered.transpose(1, 2)
     if plan.append_rows is not None:
         workspace[plan.append_rows, :, plan.append_positions] = new.index_select(0, plan.append_rows)
     return workspace

@@ -55,7 +55,7 @@ class RotaryEmbedding(nn.Module):
         # Straight into the two halves of the output: no temporaries and no concatenation.
         # addcmul may fuse its multiply and add, so a value can differ from transformers' in
         # its last bit.
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        out = x.new_empty(x.shape)
         first, second = out.chunk(2, dim=-1)
         torch.mul(x1, cos, out=first).addcmul_(x2, sin, value=-1)
         torch.mul(x2, cos, out=second).addcmul_(x1, sin)

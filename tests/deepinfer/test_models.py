@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from backends.deepinfer.config import EngineConfig
+from backends.deepinfer.layers.attention import Attention
 from backends.deepinfer.layers.rotary import RotaryEmbedding
 from backends.deepinfer.model_runner import ModelRunner
 from backends.deepinfer.outputs import ScheduledChunk, SchedulerOutput
@@ -231,6 +232,26 @@ def test_decode_batch_that_changes_every_few_steps_matches_transformers(tiny_lla
     runner, ref = make_runner(tiny_llama_dir), reference(tiny_llama_dir)
     prompts = random_prompts(runner.vocab_size, (5, 13, 9), seed=3)
     assert_a_changing_batch_matches(runner, ref, prompts, 40)  # 13 + 40: past the workspace's 8 spare blocks
+
+
+def test_a_changing_batch_updates_the_decode_workspace_in_place(tiny_llama_dir: Path) -> None:
+    """The eager decode workspaces are reallocated only to grow: a sequence leaving the batch
+    moves one row of the same tensors, where each change once rebuilt them whole."""
+    runner = make_runner(tiny_llama_dir, enforce_eager=True)
+    layer = next(m for m in runner.model.modules() if isinstance(m, Attention))
+    seqs, blocks = make_seqs(random_prompts(runner.vocab_size, (5, 7, 6), seed=5)), Blocks(runner)
+    logits = step(runner, blocks, [(s, 0, len(s.token_ids), True) for s in seqs])
+
+    def decode(batch: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        for seq, row in zip(batch, logits, strict=True):
+            seq.token_ids.append(int(row.argmax()))
+        return step(runner, blocks, [(s, len(s.token_ids) - 1, 1, True) for s in batch])
+
+    logits = decode(seqs, logits)  # the first decode step allocates the workspaces
+    workspace = layer.k_decode
+    logits = decode(seqs, logits)
+    logits = decode(seqs[1:], logits[1:])  # the first sequence leaves
+    assert layer.k_decode is workspace and workspace.shape[0] == 8  # rows: a multiple of 8
 
 
 def test_prefill_over_shared_prefix_blocks(tiny_llama_dir: Path) -> None:

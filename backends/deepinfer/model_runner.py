@@ -444,14 +444,17 @@ class ModelRunner:
         return batch
 
     def _decode_plan(self, plan: RowPlan, rows: DecodeRows, width: int) -> DecodePlan:
-        """The step's workspace plan from its row assignment; the workspaces grow when the
-        batch or its longest context outgrows them (rows to a multiple of 8, positions with
-        room for a few more blocks), keeping what their rows hold."""
+        """The step's workspace plan from its row assignment. The workspaces keep their rows
+        while the batch fits them, so a batch that shrank and grows again reuses them; they
+        are reallocated when it outgrows them, and when its longest context does (then with
+        room for a few more blocks, and only as many rows as the batch has), keeping what the
+        rows in use hold."""
         lengths = rows.lengths
         length = max(lengths)
         if length > rows.capacity:
             rows.capacity = (width + _WORKSPACE_HEADROOM_BLOCKS) * self.block_size
-        rows.num_rows = max(rows.num_rows, -(-len(lengths) // 8) * 8)
+            rows.num_rows = 0  # reallocated anyway: the batch's rows, not the most it ever had
+        rows.num_rows = max(rows.num_rows, len(lengths))
         lengths_t = self._tensor(lengths)
         mask = window_mask = None
         window = self._window

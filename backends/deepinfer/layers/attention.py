@@ -209,11 +209,14 @@ def _workspace(
     previous: torch.Tensor, cache: torch.Tensor, blocks: torch.Tensor, plan: DecodePlan, new: torch.Tensor
 ) -> torch.Tensor:
     """This step's decode workspace `[rows, Hk, capacity, d]` for the block tables `blocks`
-    `[B, N]`: the previous one, updated in place (grown first if the plan needs more rows or
-    positions, keeping what it held), and the paged `cache`; `new` `[B, Hk, d]` are this
-    step's entries. A workspace starts as zeros and only ever receives KV entries, so the
+    `[B, N]`: the previous one, updated in place, or reallocated to the plan's shape with
+    what its first rows held, and the paged `cache`; `new` `[B, Hk, d]` are this step's
+    entries. A workspace starts as zeros and only ever receives KV entries, so the
     masked-out positions past a row's context hold finite values, never a NaN (a masked NaN
     still poisons the softmax)."""
+    if plan.move_from is not None:  # from rows past the batch: before a smaller copy drops them
+        assert plan.move_to is not None
+        previous.index_copy_(0, plan.move_to, previous.index_select(0, plan.move_from))
     heads, dim = cache.shape[2], cache.shape[3]
     workspace = previous
     if previous.shape != (plan.rows, heads, plan.capacity, dim):
@@ -221,9 +224,6 @@ def _workspace(
         if previous.dim() == 4:
             rows, positions = min(previous.shape[0], plan.rows), min(previous.shape[2], plan.capacity)
             workspace[:rows, :, :positions] = previous[:rows, :, :positions]
-    if plan.move_from is not None:
-        assert plan.move_to is not None
-        workspace.index_copy_(0, plan.move_to, workspace.index_select(0, plan.move_from))
     if plan.fresh is not None:
         gathered = gather(cache, blocks.index_select(0, plan.fresh), plan.length)  # [F, length, Hk, d]
         workspace[plan.fresh, :, : plan.length] = gathered.transpose(1, 2)

@@ -147,6 +147,30 @@ class LoadTracker:
 
     # ------------------------------------------------------------------ replicas
 
+    def inflight_updates(self) -> list[InflightUpdate]:
+        """What a replica that has just appeared needs of this router's load: an update for
+        each request in flight, blocks counted as `on_routed` counted them (a block shared by
+        several requests on one worker goes to the earliest), so the totals match ours."""
+        counted: dict[str, set[int]] = {}
+        updates = []
+        for request_id, request in self._requests.items():
+            worker_id = request.worker_id
+            seen = counted.setdefault(worker_id, set())
+            before = len(seen)
+            seen.update(request.hashes)
+            blocks = len(seen) - before + request.tail_blocks
+            updates.append(
+                InflightUpdate(
+                    router_id=self.router_id, worker_id=worker_id, request_id=request_id, blocks=blocks
+                )
+            )
+        return updates
+
+    def forget_peer(self, router_id: str) -> None:
+        """A replica fell silent: what it had in flight no longer counts."""
+        for key in [key for key in self._peers if key[0] == router_id]:
+            self._drop_peer(self._peers.pop(key))
+
     def apply_peer(self, update: InflightUpdate) -> None:
         if update.router_id == self.router_id:
             return  # our own message, echoed by the event plane
@@ -155,10 +179,8 @@ class LoadTracker:
         load = self.workers.get(update.worker_id)
         if update.done:
             peer = self._peers.pop(key, None)
-            if peer is not None and load is not None:
-                load.inflight_requests -= 1
-                load.inflight_blocks -= peer.blocks
-                load.refresh()
+            if peer is not None:
+                self._drop_peer(peer)
         elif load is not None and key not in self._peers:
             self._peers[key] = _PeerRequest(update.worker_id, update.blocks, self._clock())
             load.inflight_requests += 1
@@ -173,8 +195,11 @@ class LoadTracker:
             if peer.seen_at > cutoff:
                 return
             del self._peers[key]
-            load = self.workers.get(peer.worker_id)
-            if load is not None:
-                load.inflight_requests -= 1
-                load.inflight_blocks -= peer.blocks
-                load.refresh()
+            self._drop_peer(peer)
+
+    def _drop_peer(self, peer: _PeerRequest) -> None:
+        load = self.workers.get(peer.worker_id)
+        if load is not None:
+            load.inflight_requests -= 1
+            load.inflight_blocks -= peer.blocks
+            load.refresh()

@@ -73,5 +73,13 @@ class InflightUpdate(msgspec.Struct, kw_only=True):
     done: bool = False
 
 
+class RouterHeartbeat(msgspec.Struct, kw_only=True):
+    """Published by a router on `weir.<ns>.<model>.routers` every `HEARTBEAT_S`, and at once
+    when it hears a replica it did not know: routers publish `InflightUpdate`s only while
+    another replica is listening."""
+
+    router_id: str
+
+
 class NoWorkerAvailable(Exception):
     """No worker can take the request (none registered, or all filtered out)."""

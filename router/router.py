@@ -233,5 +233,16 @@ class Router:
             return self.index.observe_event_id(report.worker_id, report.kv_event_id)
         return False
 
+    @property
+    def router_id(self) -> str:
+        return self.loads.router_id
+
     def apply_inflight(self, update: InflightUpdate) -> None:
         self.loads.apply_peer(update)
+
+    def inflight_updates(self) -> list[InflightUpdate]:
+        """This router's requests in flight, for a replica that has just appeared."""
+        return self.loads.inflight_updates()
+
+    def forget_peer(self, router_id: str) -> None:
+        self.loads.forget_peer(router_id)

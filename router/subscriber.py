@@ -3,7 +3,11 @@
 Consumes a model's `.kv` (KV event batches), `.load` (load reports) and `.inflight` (replica
 routers' sends and finishes) subjects, and publishes this router's own in-flight changes on
 `.inflight`: what changed since its last message, as one list, so a busy router sends one
-message per event-loop turn instead of two per request, to every replica. Whenever the
+message per event-loop turn instead of two per request, to every replica. It does so only
+while a replica listens: routers announce themselves on `.routers` every `HEARTBEAT_S`, a
+router that hears one it did not know answers at once with its own heartbeat and its requests
+in flight, and forgets a replica silent for `SILENT_PERIODS` heartbeats with the load it had counted for
+it. A router alone (one frontend process) sends nothing per request. Whenever the
 router reports a worker it cannot trust (never synced, a gap in its event ids), the worker's
 snapshot is fetched through `fetch_snapshot` and applied; a failed fetch is retried with
 backoff while the worker stays registered.
@@ -28,10 +32,15 @@ from orchestrator.runtime.events import EventPlane
 from orchestrator.runtime.events.base import Subscription
 from orchestrator.runtime.protocol import KvEventBatch, KvSnapshot, LoadReport, subject
 from router.indexer import KvIndexer
-from router.protocols import InflightUpdate
+from router.protocols import InflightUpdate, RouterHeartbeat
 from router.router import Router
 
 log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0
+# A replica is forgotten after this many heartbeat periods of silence: three missed, and some
+# slack for a busy event loop.
+SILENT_PERIODS = 3.5
 
 FetchSnapshot = Callable[[str], Awaitable[KvSnapshot]]
 
@@ -48,6 +57,7 @@ class RouterSubscriber:
         sync_timeout_s: float = 10.0,
         retry_s: float = 0.5,
         max_retry_s: float = 10.0,
+        heartbeat_s: float = HEARTBEAT_S,
     ) -> None:
         self.router = router
         self.plane = event_plane
@@ -55,7 +65,10 @@ class RouterSubscriber:
         self.sync_timeout_s = sync_timeout_s
         self.retry_s = retry_s
         self.max_retry_s = max_retry_s
-        self._subjects = {kind: subject(namespace, model, kind) for kind in ("kv", "load", "inflight")}
+        self.heartbeat_s = heartbeat_s
+        self._subjects = {
+            kind: subject(namespace, model, kind) for kind in ("kv", "load", "inflight", "routers")
+        }
         self._subscriptions: list[Subscription] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._fetching: dict[str, asyncio.Task[None]] = {}
@@ -63,9 +76,15 @@ class RouterSubscriber:
         self._wake = asyncio.Event()
         self._outbox: list[InflightUpdate] = []
         self._outbox_ready = asyncio.Event()
+        self._peers: dict[str, float] = {}  # replica router id -> when last heard (monotonic)
+        self._heartbeat_now = asyncio.Event()
 
     async def start(self) -> None:
-        handlers: dict[str, Callable[[bytes], None]] = {"load": self._on_load, "inflight": self._on_inflight}
+        handlers: dict[str, Callable[[bytes], None]] = {
+            "load": self._on_load,
+            "inflight": self._on_inflight,
+            "routers": self._on_heartbeat,
+        }
         if isinstance(self.router.index, KvIndexer):
             handlers["kv"] = self._on_kv
             self._tasks.append(asyncio.create_task(self._resync_loop(), name="router-resync"))
@@ -74,6 +93,7 @@ class RouterSubscriber:
             self._subscriptions.append(sub)
             self._tasks.append(asyncio.create_task(self._consume(sub, handle), name=f"router-{kind}"))
         self._tasks.append(asyncio.create_task(self._publish_inflight(), name="router-inflight-out"))
+        self._tasks.append(asyncio.create_task(self._heartbeats(), name="router-heartbeat"))
         self.router.on_inflight = self._queue_inflight
         await self.wait_synced(self.sync_timeout_s)
 
@@ -121,6 +141,21 @@ class RouterSubscriber:
         if self.router.apply_load(_decode_load(data)):
             self._wake.set()
 
+    def _on_heartbeat(self, data: bytes) -> None:
+        router_id = _decode_heartbeat(data).router_id
+        if router_id == self.router.router_id:
+            return
+        if router_id not in self._peers:
+            log.info("router replica %s joined; sharing in-flight load with it", router_id)
+            # Answer at once, so it need not wait a heartbeat to know us, and tell it what we
+            # have in flight, which we did not publish while no replica listened.
+            self._heartbeat_now.set()
+            updates = self.router.inflight_updates()
+            if updates:
+                self._outbox.extend(updates)
+                self._outbox_ready.set()
+        self._peers[router_id] = time.monotonic()
+
     def _on_inflight(self, data: bytes) -> None:
         updates = _decode_inflight(data)
         # A single update is what a replica of an earlier version sends, during a rolling update.
@@ -166,8 +201,29 @@ class RouterSubscriber:
     # ------------------------------------------------------------------ outbound
 
     def _queue_inflight(self, update: InflightUpdate) -> None:
-        self._outbox.append(update)
-        self._outbox_ready.set()
+        if self._peers:  # else nobody listens; a replica that appears is sent the whole state
+            self._outbox.append(update)
+            self._outbox_ready.set()
+
+    async def _heartbeats(self) -> None:
+        heartbeat = msgspec.msgpack.encode(RouterHeartbeat(router_id=self.router.router_id))
+        topic = self._subjects["routers"]
+        while True:
+            try:
+                await self.plane.publish(topic, heartbeat)
+            except Exception as exc:  # the event plane degrades, routing goes on
+                log.warning("cannot publish a router heartbeat: %s", exc)
+            self._forget_silent_peers()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._heartbeat_now.wait(), self.heartbeat_s)
+            self._heartbeat_now.clear()
+
+    def _forget_silent_peers(self) -> None:
+        cutoff = time.monotonic() - SILENT_PERIODS * self.heartbeat_s
+        for router_id in [r for r, heard in self._peers.items() if heard < cutoff]:
+            del self._peers[router_id]
+            self.router.forget_peer(router_id)
+            log.info("router replica %s went silent; its in-flight load no longer counts", router_id)
 
     async def _publish_inflight(self) -> None:
         encoder = msgspec.msgpack.Encoder()
@@ -185,3 +241,4 @@ class RouterSubscriber:
 _decode_kv = msgspec.msgpack.Decoder(KvEventBatch).decode
 _decode_load = msgspec.msgpack.Decoder(LoadReport).decode
 _decode_inflight = msgspec.msgpack.Decoder(list[InflightUpdate] | InflightUpdate).decode
+_decode_heartbeat = msgspec.msgpack.Decoder(RouterHeartbeat).decode

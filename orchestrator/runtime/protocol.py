@@ -284,8 +284,9 @@ class Instance(msgspec.Struct, kw_only=True, omit_defaults=True):
 _SUBJECT_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 
-def subject(namespace: str, model: str, kind: Literal["kv", "load", "inflight"]) -> str:
-    """The event-plane subject for a model's KV events, load reports or router in-flight load.
+def subject(namespace: str, model: str, kind: Literal["kv", "load", "inflight", "routers"]) -> str:
+    """The event-plane subject for a model's KV events, load reports, router in-flight load
+    or router heartbeats.
 
     Model names hold '/' and '.', which NATS reads as token separators, so they are folded."""
     return f"weir.{_SUBJECT_UNSAFE.sub('_', namespace)}.{_SUBJECT_UNSAFE.sub('_', model)}.{kind}"

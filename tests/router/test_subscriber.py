@@ -178,3 +178,82 @@ async def test_one_turns_inflight_updates_travel_as_one_message(
             await s.stop()
         await wire.close()
         await plane.close()
+
+
+def messages_until_heartbeats(router: Router, count: int) -> Callable[[bytes], bool]:
+    """A predicate over a `weir.ns.m.*` subscription's messages: true once `count` heartbeats
+    of `router` have passed."""
+    seen = 0
+
+    def heartbeat_done(data: bytes) -> bool:
+        nonlocal seen
+        message = msgspec.msgpack.decode(data)
+        if isinstance(message, dict) and message.get("router_id") == router.router_id:
+            seen += 1
+        return seen >= count
+
+    return heartbeat_done
+
+
+@pytest.mark.parametrize("plane_kind", ["memory", "nats"])
+async def test_a_router_alone_publishes_no_inflight_updates(
+    plane_kind: str, request: pytest.FixtureRequest
+) -> None:
+    url = request.getfixturevalue("nats_url") if plane_kind == "nats" else None
+    plane = make_event_plane(url)
+    a = Worker("a", plane)
+    one = kv_router(a)
+    sub = RouterSubscriber(one, plane, "ns", "m", fetcher(a), heartbeat_s=0.05)
+    wire = await plane.subscribe("weir.ns.m.*")  # in order: in-flight updates and heartbeats
+    await sub.start()
+    try:
+        one.select(RouteRequest("x", 8, block_hashes(list(range(8)), BS)))
+        one.on_finish("a", "x")
+        # Two heartbeats after the request: had its updates been queued, they would be out.
+        done = messages_until_heartbeats(one, 2)
+        kinds = []
+        async for data in wire:
+            kinds.append(type(msgspec.msgpack.decode(data)).__name__)
+            if done(data):
+                break
+        assert set(kinds) == {"dict"}, kinds  # heartbeats only, no list of updates
+        assert one.workers["a"].inflight_requests == 0
+    finally:
+        await sub.stop()
+        await wire.close()
+        await plane.close()
+
+
+@pytest.mark.parametrize("plane_kind", ["memory", "nats"])
+async def test_a_replica_that_joins_late_is_sent_the_load_in_flight(
+    plane_kind: str, request: pytest.FixtureRequest
+) -> None:
+    url = request.getfixturevalue("nats_url") if plane_kind == "nats" else None
+    plane = make_event_plane(url)
+    a = Worker("a", plane)
+    one, two = kv_router(a), kv_router(a)
+    first = RouterSubscriber(one, plane, "ns", "m", fetcher(a), heartbeat_s=0.05)
+    second = RouterSubscriber(two, plane, "ns", "m", fetcher(a), heartbeat_s=0.05)
+    await first.start()
+    try:
+        # Two requests sharing 6 of their blocks, routed while `one` is alone: 10 + 4 blocks.
+        one.select(RouteRequest("x", 40, block_hashes(list(range(40)), BS)))
+        one.select(RouteRequest("y", 40, block_hashes([*range(24), *range(100, 116)], BS)))
+        assert one.workers["a"].inflight_blocks == 14
+        await second.start()
+        await eventually(lambda: two.workers["a"].inflight_requests == 2)
+        assert two.workers["a"].inflight_blocks == 14
+        one.on_finish("a", "x")
+        await eventually(lambda: two.workers["a"].inflight_requests == 1)
+        assert two.workers["a"].inflight_blocks == 4  # what `x` counted when it was sent
+        # A replica that falls silent (here: stops without finishing its request) is
+        # forgotten with what it had in flight.
+        two.select(RouteRequest("z", 8, block_hashes(list(range(200, 208)), BS)))
+        await eventually(lambda: one.workers["a"].inflight_requests == 2)
+        await second.stop()
+        await eventually(lambda: one.workers["a"].inflight_requests == 1)
+        assert one.workers["a"].inflight_blocks == 10  # `y`'s own, all its blocks now that `x` ended
+    finally:
+        await first.stop()
+        await second.stop()
+        await plane.close()

@@ -30,6 +30,7 @@ from backends.deepinfer.host_memory import keep_large_buffers
 from backends.deepinfer.kv_arrival import KVArrival
 from backends.deepinfer.kv_cache import PagedKVCache
 from backends.deepinfer.kv_cache_manager import NULL_BLOCK
+from backends.deepinfer.layers import cpu_attention
 from backends.deepinfer.layers.attention import Attention
 from backends.deepinfer.layers.embed import LMHead
 from backends.deepinfer.layers.linear import Linear
@@ -166,6 +167,10 @@ class ModelRunner:
                 if not isinstance(layer, Attention):
                     raise ValueError(f"{self.hf_config.architecture}: no sliding window for its attention")
                 layer.sliding_window = window
+        if cpu_attention.usable(self.device, self.dtype):
+            for layer in self._cache_layers:  # time the CPU's attention paths now, not at the first prompt
+                if isinstance(layer, Attention):
+                    cpu_attention.faster_than_flash(layer.num_heads, layer.num_kv_heads, layer.head_dim)
         self.kv_bytes_per_token = sum(layer.cache_bytes_per_token(self.dtype) for layer in self._cache_layers)
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_memory()
         # One block more than the block manager hands out: where the padding rows of a

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backends.deepinfer.forward_batch import DecodePlan, ForwardBatch, PrefillSpan, StaticDecode
+from backends.deepinfer.layers import cpu_attention
 
 # The CPU flash kernel behind SDPA, called directly for the log-sum-exp it also returns (it
 # takes grouped KV heads as they are, as SDPA's enable_gqa does).
@@ -47,6 +48,12 @@ def prefill_attention(
     query i sees keys 0 .. L - n + i, or only the last `window` of those. Returns `[n, H, dv]`."""
     n, length = q.shape[0], k.shape[0]
     windowed = window is not None and length > window
+    if (
+        not windowed
+        and cpu_attention.usable(q.device, q.dtype)
+        and cpu_attention.faster_than_flash(q.shape[1], k.shape[1], q.shape[2])
+    ):
+        return cpu_attention.blocked_attention(q, k, v, scale)
     # Head-major copies on CPU: its flash kernel runs 4-7 % faster on contiguous inputs
     # than on views of the fused projection (1,000 to 8,000 tokens), far more than the
     # copies cost; a GPU's kernels take the views as they are.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 import pytest
@@ -44,6 +44,15 @@ class Worker:
             raise ConnectionError("worker unreachable")
         self.snapshots += 1
         return KvSnapshot(worker_id="", event_id=self.event_id, blocks={"device": list(self.blocks)})
+
+
+@pytest.fixture(params=["memory", "nats"])
+async def plane(request: pytest.FixtureRequest) -> AsyncIterator[EventPlane]:
+    """Each event plane replica routers talk over: in-process, and a real NATS server."""
+    url = request.getfixturevalue("nats_url") if request.param == "nats" else None
+    event_plane = make_event_plane(url)
+    yield event_plane
+    await event_plane.close()
 
 
 def kv_router(*workers: Worker) -> Router:
@@ -125,10 +134,7 @@ async def test_load_reports_feed_the_router() -> None:
         await sub.stop()
 
 
-@pytest.mark.parametrize("plane_kind", ["memory", "nats"])
-async def test_replicas_share_inflight_load(plane_kind: str, request: pytest.FixtureRequest) -> None:
-    url = request.getfixturevalue("nats_url") if plane_kind == "nats" else None
-    plane = make_event_plane(url)
+async def test_replicas_share_inflight_load(plane: EventPlane) -> None:
     a = Worker("a", plane)
     one, two = kv_router(a), kv_router(a)
     subs = [RouterSubscriber(r, plane, "ns", "m", fetcher(a)) for r in (one, two)]
@@ -144,15 +150,9 @@ async def test_replicas_share_inflight_load(plane_kind: str, request: pytest.Fix
     finally:
         for s in subs:
             await s.stop()
-        await plane.close()
 
 
-@pytest.mark.parametrize("plane_kind", ["memory", "nats"])
-async def test_one_turns_inflight_updates_travel_as_one_message(
-    plane_kind: str, request: pytest.FixtureRequest
-) -> None:
-    url = request.getfixturevalue("nats_url") if plane_kind == "nats" else None
-    plane = make_event_plane(url)
+async def test_one_turns_inflight_updates_travel_as_one_message(plane: EventPlane) -> None:
     a = Worker("a", plane)
     one, two = kv_router(a), kv_router(a)
     subs = [RouterSubscriber(r, plane, "ns", "m", fetcher(a)) for r in (one, two)]
@@ -177,7 +177,6 @@ async def test_one_turns_inflight_updates_travel_as_one_message(
         for s in subs:
             await s.stop()
         await wire.close()
-        await plane.close()
 
 
 def messages_until_heartbeats(router: Router, count: int) -> Callable[[bytes], bool]:
@@ -195,12 +194,7 @@ def messages_until_heartbeats(router: Router, count: int) -> Callable[[bytes], b
     return heartbeat_done
 
 
-@pytest.mark.parametrize("plane_kind", ["memory", "nats"])
-async def test_a_router_alone_publishes_no_inflight_updates(
-    plane_kind: str, request: pytest.FixtureRequest
-) -> None:
-    url = request.getfixturevalue("nats_url") if plane_kind == "nats" else None
-    plane = make_event_plane(url)
+async def test_a_router_alone_publishes_no_inflight_updates(plane: EventPlane) -> None:
     a = Worker("a", plane)
     one = kv_router(a)
     sub = RouterSubscriber(one, plane, "ns", "m", fetcher(a), heartbeat_s=0.05)
@@ -221,15 +215,9 @@ async def test_a_router_alone_publishes_no_inflight_updates(
     finally:
         await sub.stop()
         await wire.close()
-        await plane.close()
 
 
-@pytest.mark.parametrize("plane_kind", ["memory", "nats"])
-async def test_a_replica_that_joins_late_is_sent_the_load_in_flight(
-    plane_kind: str, request: pytest.FixtureRequest
-) -> None:
-    url = request.getfixturevalue("nats_url") if plane_kind == "nats" else None
-    plane = make_event_plane(url)
+async def test_a_replica_that_joins_late_is_sent_the_load_in_flight(plane: EventPlane) -> None:
     a = Worker("a", plane)
     one, two = kv_router(a), kv_router(a)
     first = RouterSubscriber(one, plane, "ns", "m", fetcher(a), heartbeat_s=0.05)
@@ -256,4 +244,3 @@ async def test_a_replica_that_joins_late_is_sent_the_load_in_flight(
     finally:
         await first.stop()
         await second.stop()
-        await plane.close()

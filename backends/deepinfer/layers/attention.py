@@ -51,6 +51,7 @@ def prefill_attention(
     if (
         not windowed
         and cpu_attention.usable(q.device, q.dtype)
+        and cpu_attention.worth_it(n, length)
         and cpu_attention.faster_than_flash(q.shape[1], k.shape[1], q.shape[2])
     ):
         return cpu_attention.blocked_attention(q, k, v, scale)

@@ -9,10 +9,11 @@ in the running process and the model runner uses this path only where it wins.
 
 For each KV head, the queries of the heads that share it (GQA) and of one block of positions
 are one matrix: their scores against every key they may see are one matmul, a softmax (in base
-2, normalised after the values), and a second matmul against the values. The block's own keys are masked causally; a cached prefix
-before the chunk is simply more keys. A block's scores are materialised (its group's rows by the
-context: 24 MB for SmolLM2 at 8,000 tokens), which costs memory traffic a fused kernel would
-not, but they stay in a server CPU's last-level cache.
+2, normalised after the values), and a second matmul against the values. The block's own keys
+are masked causally; a cached prefix before the chunk is simply more keys. A block's scores
+are materialised (its group's rows by the context: 24 MB for SmolLM2 at 8,000 tokens), which
+costs memory traffic a fused kernel would not, but they stay in a server CPU's last-level
+cache.
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ import torch.nn.functional as F
 
 # 256 was the fastest of 256, 512 and 1,024 at 1,000, 4,000 and 8,000 tokens.
 QUERY_BLOCK = 256
+# Below this many scores per head (queries x keys), the blocked path's fixed cost (about 0.35 ms
+# a layer for SmolLM2's three KV heads, where the flash kernel took 0.14-0.23 ms for up to 4
+# queries over 300 keys) outweighs its faster matmuls: speculative verification and short
+# chunks over short contexts stay with the flash kernel. One query over 4,000 keys or more is
+# faster blocked (1.3 against 1.9 ms).
+MIN_SCORES = 4096
 # The calibration's size: long enough that attention outweighs the per-block overhead, short
 # enough to cost well under a second at start-up.
 _CALIBRATION_TOKENS = 1024
@@ -38,6 +45,11 @@ LOG2_E = 1 / math.log(2)
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this path can take a call at all: float32 on a CPU with oneDNN."""
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def worth_it(num_queries: int, num_keys: int) -> bool:
+    """Whether a call this size gains from the blocked path, where it is the faster one."""
+    return num_queries * num_keys >= MIN_SCORES
 
 
 def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -2,18 +2,17 @@
 
 Torch's CPU flash kernel (behind SDPA) multiplies by MKL's sgemm, which on an AMD CPU runs its
 AVX2 code even where the CPU has AVX-512: on a Zen 5 machine here, SDPA reached 60-88 GFLOP/s
-on SmolLM2's heads (1,000 to 8,000 tokens, one thread) while the same scores and values taken
-through oneDNN, 256 queries at a time, reached 115-148. On an Intel CPU MKL is at home, and
-the flash kernel may be the faster; so `faster_than_flash` times the two once per head shape
-in the running process and the model runner uses this path only where it wins.
+on SmolLM2's heads (1,000 to 8,000 tokens, one thread) and this path 130-170. On an Intel CPU
+MKL is at home, and the flash kernel may be the faster; so `faster_than_flash` times the two
+once per head shape in the running process, and the model runner uses this path only where it
+wins.
 
 For each KV head, the queries of the heads that share it (GQA) and of one block of positions
 are one matrix: their scores against every key they may see are one matmul, a softmax (in base
 2, normalised after the values), and a second matmul against the values. The block's own keys
 are masked causally; a cached prefix before the chunk is simply more keys. A block's scores
-are materialised (its group's rows by the context: 24 MB for SmolLM2 at 8,000 tokens), which
-costs memory traffic a fused kernel would not, but they stay in a server CPU's last-level
-cache.
+are materialised (its group's rows by the context: 12 MB for SmolLM2 at 8,000 tokens), which
+costs memory traffic a fused kernel would not.
 """
 
 from __future__ import annotations
@@ -26,8 +25,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-# 256 was the fastest of 256, 512 and 1,024 at 1,000, 4,000 and 8,000 tokens.
-QUERY_BLOCK = 256
+# Of 64 to 1,024 queries a block, 128 was the fastest or level with the fastest at 1,000, 4,000
+# and 8,000 tokens (SmolLM2's heads, one thread, one-off): 3-5 % ahead of 256 from 4,000 on,
+# where a group's scores (3 x 128 rows by the context) stay nearer the core.
+QUERY_BLOCK = 128
 # Below this many scores per head (queries x keys), the blocked path's fixed cost (about 0.35 ms
 # a layer for SmolLM2's three KV heads, where the flash kernel took 0.14-0.23 ms for up to 4
 # queries over 300 keys) outweighs its faster matmuls: speculative verification and short

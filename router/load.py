@@ -149,8 +149,8 @@ class LoadTracker:
 
     def inflight_updates(self) -> list[InflightUpdate]:
         """What a replica that has just appeared needs of this router's load: an update for
-        each request in flight, blocks counted as `on_routed` counted them (a block shared by
-        several requests on one worker goes to the earliest), so the totals match ours."""
+        each request in flight, its blocks those no earlier request in flight on the same
+        worker holds (as `on_routed` counts them), so the totals match ours."""
         counted: dict[str, set[int]] = {}
         updates = []
         for request_id, request in self._requests.items():

@@ -6,8 +6,8 @@ routers' sends and finishes) subjects, and publishes this router's own in-flight
 message per event-loop turn instead of two per request, to every replica. It does so only
 while a replica listens: routers announce themselves on `.routers` every `HEARTBEAT_S`, a
 router that hears one it did not know answers at once with its own heartbeat and its requests
-in flight, and forgets a replica silent for `SILENT_PERIODS` heartbeats with the load it had counted for
-it. A router alone (one frontend process) sends nothing per request. Whenever the
+in flight, and a replica silent for `SILENT_PERIODS` heartbeats is forgotten with the load
+counted for it. A router alone (one frontend process) sends nothing per request. Whenever the
 router reports a worker it cannot trust (never synced, a gap in its event ids), the worker's
 snapshot is fetched through `fetch_snapshot` and applied; a failed fetch is retried with
 backoff while the worker stays registered.

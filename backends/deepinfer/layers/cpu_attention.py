@@ -98,10 +98,11 @@ def faster_than_flash(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     scale = head_dim**-0.5
 
     def flash() -> None:
+        # As `attention.prefill_attention` calls it on a CPU: on head-major copies.
         F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0),
+            q.transpose(0, 1).contiguous().unsqueeze(0),
+            k.transpose(0, 1).contiguous().unsqueeze(0),
+            v.transpose(0, 1).contiguous().unsqueeze(0),
             is_causal=True,
             scale=scale,
             enable_gqa=num_heads != num_kv_heads,

@@ -9,6 +9,11 @@ misses inserted, and the policy evicts while the cache is over `--blocks`. Polic
 - `slru`: segmented LRU (Karedla et al., 1994) with the common 80 % protected segment: a
   block hit again moves to the protected segment, whose least recent blocks fall back to
   the probationary one; the probationary segment is evicted first;
+- `arc`: segmented LRU whose split adapts as ARC's (Megiddo and Modha, 2003), as DeepInfer's
+  block pool does with `--kv-eviction arc`: the hashes of evicted blocks are remembered per
+  segment, one that comes back moves the probationary segment's target towards the segment it
+  was evicted from and enters the protected one, and the protected segment is evicted first
+  while the probationary one is within its target;
 - `lfu`: least frequently used first, least recent among equals (SGLang's `lfu` radix cache
   eviction);
 - `min`: Belady's MIN, the block used again farthest in the future, which needs the future:
@@ -82,6 +87,44 @@ def slru(prompts: list[list[int]], capacity: int) -> list[int]:
     return hits
 
 
+def arc(prompts: list[list[int]], capacity: int) -> list[int]:
+    probation: OrderedDict[int, None] = OrderedDict()
+    protected: OrderedDict[int, None] = OrderedDict()
+    # Ghosts: blocks evicted from probation and from protected, at most `capacity` each.
+    ghosts: tuple[OrderedDict[int, None], OrderedDict[int, None]] = (OrderedDict(), OrderedDict())
+    target = 0.0  # the probationary segment's target size
+    hits = []
+    for blocks in prompts:
+        hits.append(_leading(blocks, lambda b: b in protected or b in probation))
+        for block in blocks:
+            if block in protected:
+                protected.move_to_end(block)
+            elif block in probation:
+                del probation[block]
+                protected[block] = None
+            else:
+                recent, frequent = ghosts
+                if block in recent:
+                    target = min(capacity, target + max(len(frequent) / len(recent), 1))
+                    del recent[block]
+                    protected[block] = None
+                elif block in frequent:
+                    target = max(0.0, target - max(len(recent) / len(frequent), 1))
+                    del frequent[block]
+                    protected[block] = None
+                else:
+                    probation[block] = None
+            while len(probation) + len(protected) > capacity:
+                if probation and (len(probation) > target or not protected):
+                    ghosts[0][probation.popitem(last=False)[0]] = None
+                else:
+                    ghosts[1][protected.popitem(last=False)[0]] = None
+            for ghost in ghosts:
+                while len(ghost) > capacity:
+                    ghost.popitem(last=False)
+    return hits
+
+
 def lfu(prompts: list[list[int]], capacity: int) -> list[int]:
     counts: dict[int, tuple[int, int]] = {}  # block -> (uses, last use)
     heap: list[tuple[int, int, int]] = []  # entries go stale when a block is used again
@@ -132,7 +175,7 @@ def _leading(blocks: list[int], cached: Callable[[int], bool]) -> int:
     return len(blocks)
 
 
-POLICIES = {"lru": lru, "slru": slru, "lfu": lfu, "min": belady}
+POLICIES = {"lru": lru, "slru": slru, "arc": arc, "lfu": lfu, "min": belady}
 
 
 def main() -> None:

@@ -61,8 +61,9 @@ def add_deepinfer_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-eviction",
         choices=EVICTIONS,
         default=d.kv_eviction,
-        help="which cached KV blocks are evicted first: lru, or slru (segmented LRU: blocks a prefix "
-        "hit reused are kept through a stream of one-off prompts); the mocker backend simulates "
+        help="which cached KV blocks are evicted first: lru, slru (segmented LRU: blocks a prefix "
+        "hit reused are kept through a stream of one-off prompts), or arc (segmented LRU whose "
+        "split adapts, as ARC's, to the evicted blocks that come back); the mocker backend simulates "
         f"the same pool and takes it too (default {d.kv_eviction})",
     )
     g.add_argument("--seed", type=int, default=d.seed, help="seed for unseeded sampling")

@@ -11,6 +11,14 @@ a cached block that a prefix hit reuses becomes protected, and free protected bl
 evicted only once no unprotected one is left, so a stream of prompts seen once cannot flush
 the prefixes that are shared. At most `PROTECTED_SHARE` of the blocks are protected; past
 that, the least recently freed protected block goes back to the unprotected ones.
+
+Or adaptively (`arc`), as ARC does (Megiddo and Modha, 2003), with nothing to choose: the two
+segments stay, with no fixed share. The pool remembers the hashes of the blocks it evicted
+from each segment (as many as it has blocks, per segment). A block computed or loaded again
+whose hash was evicted from the unprotected segment shows that segment was too small, and
+moves the target size of the unprotected segment up; one evicted from the protected segment
+moves it down; either way the block enters the protected segment. A free protected block is
+evicted first while the unprotected segment is within its target.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Literal, get_args
 
-Eviction = Literal["lru", "slru"]
+Eviction = Literal["lru", "slru", "arc"]
 EVICTIONS: tuple[str, ...] = get_args(Eviction)
 # Segmented LRU's protected share: the usual 80 % (as in Caffeine's W-TinyLFU main space),
 # not fitted to any trace.
@@ -53,8 +61,14 @@ class BlockPool:
         self._free_uncached: list[int] = list(range(num_blocks - 1, -1, -1))
         self._free_cached: OrderedDict[int, Block] = OrderedDict()  # unprotected, evicted first
         self._free_protected: OrderedDict[int, Block] = OrderedDict()
-        self._protected_limit = int(num_blocks * PROTECTED_SHARE) if eviction == "slru" else 0
+        limits = {"lru": 0, "slru": int(num_blocks * PROTECTED_SHARE), "arc": num_blocks}
+        self._protected_limit = limits[eviction]
         self._num_protected = 0
+        self._adaptive = eviction == "arc"
+        # ARC's ghosts: hashes evicted from the unprotected and from the protected segment.
+        self._evicted_unprotected: OrderedDict[int, None] = OrderedDict()
+        self._evicted_protected: OrderedDict[int, None] = OrderedDict()
+        self._unprotected_target = 0.0  # ARC's p: the unprotected segment's target size
         self.num_active_blocks = 0  # blocks with ref_count > 0
 
     @property
@@ -106,12 +120,17 @@ class BlockPool:
         uncached = self._free_uncached
         taken = [uncached.pop() for _ in range(min(n, len(uncached)))]
         for _ in range(n - len(taken)):
-            _, block = (self._free_cached or self._free_protected).popitem(last=False)
+            block = self._victim()
             seq_hash = block.seq_hash
             assert seq_hash is not None
             del self.cached[seq_hash]
             evicted.append(seq_hash)
             block.seq_hash = None
+            if self._adaptive:
+                ghosts = self._evicted_protected if block.protected else self._evicted_unprotected
+                ghosts[seq_hash] = None
+                if len(ghosts) > self.num_blocks:
+                    ghosts.popitem(last=False)
             if block.protected:
                 self._unprotect(block)
             taken.append(block.block_id)
@@ -121,13 +140,45 @@ class BlockPool:
         self.num_active_blocks += n
         return taken
 
+    def _victim(self) -> Block:
+        """The free cached block to evict: the least recently freed unprotected one, unless
+        (adaptively) the unprotected segment is within its target and a protected one is free."""
+        unprotected, protected = self._free_cached, self._free_protected
+        if (
+            self._adaptive
+            and protected
+            and (not unprotected or len(self.cached) - self._num_protected <= self._unprotected_target)
+        ):
+            return protected.popitem(last=False)[1]
+        return (unprotected or protected).popitem(last=False)[1]
+
     def _unprotect(self, block: Block) -> None:
         block.protected = False
         self._num_protected -= 1
 
     def cache(self, block: Block, seq_hash: int) -> None:
+        """`block` (in use) now holds `seq_hash`'s KV."""
         block.seq_hash = seq_hash
         self.cached[seq_hash] = block
+        if self._adaptive:
+            self._readmit(block, seq_hash)
+
+    def _readmit(self, block: Block, seq_hash: int) -> None:
+        """ARC's adaptation: a hash this pool evicted is back, so the segment it was evicted
+        from was too small. The step is 1, or larger while that segment's ghosts are the fewer."""
+        recent, frequent = self._evicted_unprotected, self._evicted_protected
+        if seq_hash in recent:
+            step = max(len(frequent) / len(recent), 1.0)
+            self._unprotected_target = min(float(self.num_blocks), self._unprotected_target + step)
+            del recent[seq_hash]
+        elif seq_hash in frequent:
+            step = max(len(recent) / len(frequent), 1.0)
+            self._unprotected_target = max(0.0, self._unprotected_target - step)
+            del frequent[seq_hash]
+        else:
+            return
+        block.protected = True
+        self._num_protected += 1
 
     def clear(self) -> None:
         """Forget every cached hash (blocks in use stay allocated, just uncached)."""
@@ -140,3 +191,6 @@ class BlockPool:
         self._free_protected.clear()
         self._num_protected = 0
         self.cached.clear()
+        self._evicted_unprotected.clear()
+        self._evicted_protected.clear()
+        self._unprotected_target = 0.0

@@ -96,7 +96,7 @@ def test_kv_eviction_reaches_deepinfers_block_pool_and_the_mockers(name: str, mo
     assert built_config(engine).kv_eviction == "slru"
     with pytest.raises(SystemExit):
         backend_parser().parse_args([*argv, "--kv-eviction", "lfu"])
-    with pytest.raises(ValueError, match="kv_eviction must be one of lru, slru, got 'lfu'"):
+    with pytest.raises(ValueError, match="kv_eviction must be one of lru, slru, arc, got 'lfu'"):
         CONFIGS[name](kv_eviction="lfu")  # type: ignore[arg-type]
 
 

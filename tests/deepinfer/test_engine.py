@@ -99,11 +99,12 @@ def test_preemption_under_tiny_kv_budget_keeps_greedy_outputs(tiny_llama_dir: Pa
     got = generated(run(tight, requests))
     assert roomy.num_preemptions == 0 and tight.num_preemptions > 0
     assert got == expected
-    # Segmented LRU evicts other blocks first (a resumed sequence's prefix hits protect its
-    # own), never other tokens.
-    segmented = make_engine(tiny_llama_dir, block_size=16, num_kv_blocks=12, kv_eviction="slru")
-    assert generated(run(segmented, requests)) == expected
-    assert segmented.num_preemptions > 0
+    # Segmented LRU, fixed or adaptive, evicts other blocks first (a resumed sequence's prefix
+    # hits protect its own), never other tokens.
+    for eviction in ("slru", "arc"):
+        segmented = make_engine(tiny_llama_dir, block_size=16, num_kv_blocks=12, kv_eviction=eviction)
+        assert generated(run(segmented, requests)) == expected
+        assert segmented.num_preemptions > 0
 
 
 def test_deterministic_seeded_request_ignores_its_batch(tiny_llama_dir: Path) -> None:

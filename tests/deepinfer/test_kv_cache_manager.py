@@ -123,7 +123,7 @@ def test_segmented_lru_keeps_reused_blocks_through_one_off_prompts() -> None:
     """A prefix reused once is protected: the one-off prompts after it evict each other
     instead, under slru; under lru they evict the prefix."""
     survivors = {}
-    for eviction in ("lru", "slru"):
+    for eviction in ("lru", "slru", "arc"):
         bm = KVCacheManager(10, BS, eviction=eviction)
         shared = list(range(8))  # two full blocks
         for rid in ("a", "b"):  # b's prefix hit protects them
@@ -135,7 +135,30 @@ def test_segmented_lru_keeps_reused_blocks_through_one_off_prompts() -> None:
             prefill(bm, seq)
             bm.deallocate(seq)
         survivors[eviction] = len(bm.match_prefix(make_seq([*shared, 7], "c")))
-    assert survivors == {"lru": 0, "slru": 2}
+    assert survivors == {"lru": 0, "slru": 2, "arc": 2}
+
+
+def test_adaptive_eviction_gives_room_to_the_blocks_that_come_back() -> None:
+    """Eight blocks reused once, then never again, and a cycle of four one-off prompts through
+    what is left of a pool of 10. Segmented LRU keeps the eight and the cycle never hits; ARC
+    sees the cycle's evicted blocks come back, grows the unprotected target, and lets the
+    stale protected blocks go instead."""
+    last_lap = {}
+    for eviction in ("slru", "arc"):
+        bm = KVCacheManager(10, BS, eviction=eviction)
+        for p in range(8):
+            for rid in ("first", "again"):  # the second sees a hit: protected
+                seq = make_seq([*range(100 * p, 100 * p + BS), 9], f"{rid}{p}")
+                prefill(bm, seq)
+                bm.deallocate(seq)
+        for lap in range(4):
+            last_lap[eviction] = 0
+            for x in range(4):
+                seq = make_seq([*range(10_000 * (x + 1), 10_000 * (x + 1) + BS), 9], f"lap{lap}x{x}")
+                last_lap[eviction] += len(bm.match_prefix(seq))
+                prefill(bm, seq)
+                bm.deallocate(seq)
+    assert last_lap == {"slru": 0, "arc": 4}
 
 
 def test_segmented_lru_protects_at_most_its_share_demoting_the_least_recent() -> None:

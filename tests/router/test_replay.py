@@ -157,12 +157,13 @@ def test_offline_replay_of_a_trace_slice_kv_beats_round_robin(
         assert isinstance(kv[key], float)
 
 
-def test_replay_kv_eviction_slru_keeps_a_reused_prefix_through_one_off_prompts(
+def test_replay_kv_eviction_slru_and_arc_keep_a_reused_prefix_through_one_off_prompts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """One worker of 64 blocks: a two-block prefix (16 engine blocks) is sent twice, so it is
     reused; then ten one-off prompts of one trace block (80 blocks in all) pass through; then
-    the prefix again. LRU has evicted it by then; segmented LRU kept it protected."""
+    the prefix again. LRU has evicted it by then; segmented LRU kept it protected, and so did
+    ARC's adaptive split, which no evicted block came back to move."""
     lines = [(1, 2), (1, 2), *((100 + i,) for i in range(10)), (1, 2)]
     trace = tmp_path / "trace.jsonl"
     trace.write_text(
@@ -177,13 +178,14 @@ def test_replay_kv_eviction_slru_keeps_a_reused_prefix_through_one_off_prompts(
     common = [str(trace), "--workers", "1", "--num-blocks", "64", "--block-size", "64"]
     lru, _ = replay_json(capsys, *common)
     slru, _ = replay_json(capsys, *common, "--kv-eviction", "slru")
-    assert lru["completed"] == slru["completed"] == len(lines)
+    arc, _ = replay_json(capsys, *common, "--kv-eviction", "arc")
+    assert lru["completed"] == slru["completed"] == arc["completed"] == len(lines)
     # Cached prompt tokens: the second prefix request's first 15 blocks (the last block of a
     # prompt is computed again, for its logits) under both; the last one's under segmented LRU
     # only.
     prompt_tokens = 512 * sum(len(ids) for ids in lines)
     assert lru["hit_rate"] == round(15 * 64 / prompt_tokens, 4)
-    assert slru["hit_rate"] == round(2 * 15 * 64 / prompt_tokens, 4)
+    assert slru["hit_rate"] == arc["hit_rate"] == round(2 * 15 * 64 / prompt_tokens, 4)
 
 
 def test_offline_replay_with_kv_tiers_caches_more_and_answers_sooner(

@@ -89,7 +89,7 @@ class StreamDetokenizer:
         return text
 
 
-def _byte_alphabet() -> dict[str, int]:
+def byte_alphabet() -> dict[str, int]:
     """GPT-2's byte-to-unicode map, inverted: the character each byte is written as -> byte."""
     printable = [
         *range(ord("!"), ord("~") + 1),
@@ -107,7 +107,7 @@ def byte_tables(tokenizer: Tokenizer) -> dict[bool, list[bytes]] | None:
     tokenizer's decoder is exactly ByteLevel and the tables decode a sample as it does."""
     if type(tokenizer.decoder) is not decoders.ByteLevel:
         return None
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     table = [b""] * tokenizer.get_vocab_size(with_added_tokens=True)
     added = tokenizer.get_added_tokens_decoder()
     # Added tokens go through the decoder too; their ids may also be in the model's vocabulary.

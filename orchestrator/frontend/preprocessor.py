@@ -25,6 +25,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from orchestrator.frontend.bpe import FastBPE, fast_bpe
 from orchestrator.frontend.detokenizer import ByteDetokenizer, Detokenizer, StreamDetokenizer, byte_tables
 from orchestrator.runtime.model_files import eos_token_ids, read_json, special_token_text
 
@@ -52,8 +53,10 @@ class Preprocessor:
         special_tokens: Mapping[str, str] | None = None,
         eos_token_ids: Sequence[int] = (),
         name: str = "",
+        fast_bpe: FastBPE | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self._fast_bpe = fast_bpe  # the same encoding by tiktoken, where it gives the same ids
         self.name = name
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
         self.chat_template = chat_template
@@ -101,9 +104,11 @@ class Preprocessor:
         """Token ids for `text`. Chat prompts carry BOS from their template, so pass
         add_special_tokens=False for them; a completion prompt that already begins with the
         BOS text does not get a second BOS from the tokenizer's post-processor."""
-        # encode_batch releases the GIL (encode does not), so a long prompt encoded in a worker
-        # thread leaves the event loop serving other requests; for one short text it costs the same.
-        ids: list[int] = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        ids = self._fast_bpe.encode(text, add_special_tokens) if self._fast_bpe is not None else None
+        if ids is None:
+            # encode_batch_fast releases the GIL (encode does not), so a long prompt encoded in
+            # a worker thread leaves the event loop serving other requests; it skips offsets.
+            ids = self.tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
         if (
             add_special_tokens
             and self._bos_id is not None
@@ -144,7 +149,8 @@ def _load_cached(model_dir: str) -> Preprocessor:
     tokenizer_file = root / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise FileNotFoundError(f"{tokenizer_file} not found: a model directory needs an HF tokenizer.json")
-    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    source = tokenizer_file.read_text()
+    tokenizer = Tokenizer.from_str(source)
     config = read_json(root / "tokenizer_config.json")
     special = {key: text for key in _SPECIAL_TOKEN_KEYS if (text := special_token_text(config.get(key)))}
     template_file = root / "chat_template.jinja"
@@ -157,6 +163,7 @@ def _load_cached(model_dir: str) -> Preprocessor:
         special_tokens=special,
         eos_token_ids=eos_token_ids(root, tokenizer),
         name=root.name,
+        fast_bpe=fast_bpe(tokenizer, json.loads(source)),
     )
 
 

@@ -66,32 +66,22 @@ def lru(prompts: list[list[int]], capacity: int) -> list[int]:
 
 
 def slru(prompts: list[list[int]], capacity: int) -> list[int]:
-    probation: OrderedDict[int, None] = OrderedDict()
-    protected: OrderedDict[int, None] = OrderedDict()
-    limit = int(capacity * PROTECTED_SHARE)
-    hits = []
-    for blocks in prompts:
-        hits.append(_leading(blocks, lambda b: b in protected or b in probation))
-        for block in blocks:
-            if block in protected:
-                protected.move_to_end(block)
-            elif block in probation:
-                del probation[block]
-                protected[block] = None
-                if len(protected) > limit:
-                    probation[protected.popitem(last=False)[0]] = None
-            else:
-                probation[block] = None
-        while len(probation) + len(protected) > capacity:
-            (probation if probation else protected).popitem(last=False)
-    return hits
+    return _segmented(prompts, capacity, adaptive=False)
 
 
 def arc(prompts: list[list[int]], capacity: int) -> list[int]:
+    return _segmented(prompts, capacity, adaptive=True)
+
+
+def _segmented(prompts: list[list[int]], capacity: int, adaptive: bool) -> list[int]:
+    """Segmented LRU: with a fixed protected share, or (`adaptive`) with ARC's target for the
+    probationary segment, moved by the blocks that come back after an eviction."""
     probation: OrderedDict[int, None] = OrderedDict()
     protected: OrderedDict[int, None] = OrderedDict()
-    # Ghosts: blocks evicted from probation and from protected, at most `capacity` each.
-    ghosts: tuple[OrderedDict[int, None], OrderedDict[int, None]] = (OrderedDict(), OrderedDict())
+    # Adaptive: the blocks evicted from probation and from protected, at most `capacity` each.
+    recent: OrderedDict[int, None] = OrderedDict()
+    frequent: OrderedDict[int, None] = OrderedDict()
+    limit = capacity if adaptive else int(capacity * PROTECTED_SHARE)
     target = 0.0  # the probationary segment's target size
     hits = []
     for blocks in prompts:
@@ -99,29 +89,29 @@ def arc(prompts: list[list[int]], capacity: int) -> list[int]:
         for block in blocks:
             if block in protected:
                 protected.move_to_end(block)
-            elif block in probation:
+                continue
+            if block in probation:
                 del probation[block]
-                protected[block] = None
+            elif block in recent:
+                target = min(capacity, target + max(len(frequent) / len(recent), 1))
+                del recent[block]
+            elif block in frequent:
+                target = max(0.0, target - max(len(recent) / len(frequent), 1))
+                del frequent[block]
             else:
-                recent, frequent = ghosts
-                if block in recent:
-                    target = min(capacity, target + max(len(frequent) / len(recent), 1))
-                    del recent[block]
-                    protected[block] = None
-                elif block in frequent:
-                    target = max(0.0, target - max(len(recent) / len(frequent), 1))
-                    del frequent[block]
-                    protected[block] = None
-                else:
-                    probation[block] = None
-            while len(probation) + len(protected) > capacity:
-                if probation and (len(probation) > target or not protected):
-                    ghosts[0][probation.popitem(last=False)[0]] = None
-                else:
-                    ghosts[1][protected.popitem(last=False)[0]] = None
-            for ghost in ghosts:
-                while len(ghost) > capacity:
-                    ghost.popitem(last=False)
+                probation[block] = None
+                continue
+            protected[block] = None
+            if len(protected) > limit:
+                probation[protected.popitem(last=False)[0]] = None
+        while len(probation) + len(protected) > capacity:
+            if probation and (not adaptive or len(probation) > target or not protected):
+                recent[probation.popitem(last=False)[0]] = None
+            else:
+                frequent[protected.popitem(last=False)[0]] = None
+        for ghosts in (recent, frequent):
+            while len(ghosts) > (capacity if adaptive else 0):
+                ghosts.popitem(last=False)
     return hits
 
 

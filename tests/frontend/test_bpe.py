@@ -77,6 +77,14 @@ def test_a_byte_without_a_token_of_its_own_is_left_to_hf(smollm2: Preprocessor) 
     assert fast.encode("a b, then more text") is not None
 
 
+def test_a_text_tiktokens_regex_engine_cannot_split_is_left_to_hf(smollm2: Preprocessor) -> None:
+    """A million spaces in a row overflow the stack of tiktoken's regex engine (0.14)."""
+    text = " " * 1_000_000 + "end"
+    fast = smollm2._fast_bpe
+    assert fast is not None and fast.encode(text) is None
+    assert smollm2.encode(text, False) == _hf_ids(smollm2.tokenizer, text)
+
+
 def _spec(tmp_path: Path) -> dict[str, Any]:
     return dict(json.loads(build_chatml(tmp_path / "tok").joinpath("tokenizer.json").read_text()))
 

@@ -9,13 +9,18 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from orchestrator.frontend.bpe import fast_bpe
 from orchestrator.frontend.preprocessor import Preprocessor
-from tests.frontend.tokenizer_dirs import build_chatml, build_llama
+from tests.frontend.tokenizer_dirs import CORPUS, build_chatml, build_llama
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
+# Llama 3's pre-tokenizer regex (a Split before a ByteLevel without one, as Llama 3 and Qwen2 do).
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 # Text the regexes split in every way: letters of several scripts, digits, marks, symbols,
 # punctuation, separators and controls, with the specials and the contractions mixed in.
@@ -42,7 +47,36 @@ def smollm2(smollm2_dir: Path) -> Preprocessor:
     return Preprocessor.load(smollm2_dir)
 
 
-@pytest.mark.parametrize("name", ["chatml", "smollm2"])
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory: pytest.TempPathFactory) -> Preprocessor:
+    """Trained here the way Llama 3's tokenizer is built: a Split by its regex, then ByteLevel
+    without one, merges ignored for a piece that is a token, a BOS added by a template."""
+    special = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+    tokenizer = Tokenizer(models.BPE(ignore_merges=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=700,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 0)]
+    )
+    out = tmp_path_factory.mktemp("llama3")
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>"}))
+    return Preprocessor.load(out)
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama3", "smollm2"])
 def test_byte_level_bpe_models_encode_by_tiktoken_as_hf_does(
     name: str, request: pytest.FixtureRequest
 ) -> None:

@@ -9,18 +9,13 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 
 from orchestrator.frontend.bpe import fast_bpe
 from orchestrator.frontend.preprocessor import Preprocessor
-from tests.frontend.tokenizer_dirs import CORPUS, build_chatml, build_llama
+from tests.frontend.tokenizer_dirs import build_chatml, build_llama, build_llama3
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-# Llama 3's pre-tokenizer regex (a Split before a ByteLevel without one, as Llama 3 and Qwen2 do).
-LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 
 # Text the regexes split in every way: letters of several scripts, digits, marks, symbols,
 # punctuation, separators and controls, with the specials and the contractions mixed in.
@@ -28,7 +23,9 @@ _CHARACTERS = st.characters(codec="utf-8", categories=("L", "M", "N", "P", "S", 
 _PIECES = st.one_of(
     st.text(_CHARACTERS, max_size=12),
     st.sampled_from(["'s", "'LL", " 's", "\u2019re", "\n\n", "\r\n", "  ", "\t", " \u00a0", "1234", "١٢٣"]),
-    st.sampled_from(["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_start", "|>"]),
+    st.sampled_from(
+        ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|begin_of_text|>", "<|eot_id|>", "<|im_start"]
+    ),
 )
 _TEXTS = st.lists(_PIECES, max_size=30).map("".join)
 
@@ -49,31 +46,7 @@ def smollm2(smollm2_dir: Path) -> Preprocessor:
 
 @pytest.fixture(scope="module")
 def llama3(tmp_path_factory: pytest.TempPathFactory) -> Preprocessor:
-    """Trained here the way Llama 3's tokenizer is built: a Split by its regex, then ByteLevel
-    without one, merges ignored for a piece that is a token, a BOS added by a template."""
-    special = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
-    tokenizer = Tokenizer(models.BPE(ignore_merges=True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=700,
-        special_tokens=special,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(CORPUS, trainer)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 0)]
-    )
-    out = tmp_path_factory.mktemp("llama3")
-    tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>"}))
-    return Preprocessor.load(out)
+    return Preprocessor.load(build_llama3(tmp_path_factory.mktemp("llama3")))
 
 
 @pytest.mark.parametrize("name", ["chatml", "llama3", "smollm2"])

@@ -3,6 +3,7 @@
 - `chatml`: GPT-2-style byte-level BPE with a ChatML template, like SmolLM2 and Qwen.
 - `llama`: SentencePiece-style BPE with byte fallback and a BOS-adding post-processor, and
   Llama 2's template (BOS in the template, `raise_exception` for bad turn order).
+- `llama3`: byte-level BPE split by Llama 3's regex, with its BOS-adding post-processor.
 
 Both are trained on ASCII text only, so every non-ASCII character is split into several
 byte tokens: the case incremental detokenization must get right.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -22,6 +23,12 @@ CORPUS = [
     "system user assistant tool: say hello, answer politely.",
     "Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000 and symbols {}[]()<>=+-*/",
 ] * 40
+
+# Llama 3's pre-tokenizer regex (Qwen2's differs only in taking one digit at a time).
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -52,17 +59,12 @@ LLAMA_TEMPLATE = (
 
 
 def build_chatml(out: Path) -> Path:
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
+    tok = _byte_level(
+        models.BPE(),
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         vocab_size=600,
-        special_tokens=special,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
     )
-    tok.train_from_iterator(CORPUS, trainer)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     _write(
@@ -116,6 +118,46 @@ def build_llama(out: Path) -> Path:
         },
     )
     return out
+
+
+def build_llama3(out: Path) -> Path:
+    """Built the way Llama 3's tokenizer is: a Split by its regex, then ByteLevel without one,
+    merges ignored for a piece that is a token, a BOS added by a template; no chat template."""
+    tok = _byte_level(
+        models.BPE(ignore_merges=True),
+        pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        ),
+        ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"],
+        vocab_size=700,
+    )
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 0)]
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    _write(out / "tokenizer_config.json", {"bos_token": "<|begin_of_text|>"})
+    return out
+
+
+def _byte_level(
+    model: models.Model, pre_tokenizer: pre_tokenizers.PreTokenizer, special: list[str], vocab_size: int
+) -> Tokenizer:
+    """A byte-level BPE trained on CORPUS, its specials first (ids 0, 1, ...)."""
+    tok = Tokenizer(model)
+    tok.pre_tokenizer = pre_tokenizer
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
 
 
 def _write(path: Path, data: dict[str, object]) -> None:

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
 Arch = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"]
 
@@ -52,22 +55,38 @@ Hello, world! How are you today? I am fine, thank you. Let us write some tests f
 """
 
 
-def build_tokenizer(out_dir: Path) -> Path:
-    """Train a small byte-level BPE on the built-in text and write tokenizer.json and
-    tokenizer_config.json (ChatML template, bos `<|endoftext|>`, eos `<|im_end|>`) to `out_dir`."""
+def train_byte_level_bpe(
+    lines: Iterable[str],
+    special_tokens: Sequence[str],
+    vocab_size: int,
+    model: models.Model | None = None,
+    pre_tokenizer: pre_tokenizers.PreTokenizer | None = None,
+) -> Tokenizer:
+    """A byte-level BPE `tokenizers.Tokenizer` trained on `lines`, its special tokens first
+    (ids 0, 1, ...): `model` (a `models.BPE()` by default) split by `pre_tokenizer` (GPT-2's
+    ByteLevel regex by default)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer = Tokenizer(models.BPE() if model is None else model)
+    tokenizer.pre_tokenizer = (
+        pre_tokenizers.ByteLevel(add_prefix_space=False) if pre_tokenizer is None else pre_tokenizer
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=_VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
+        vocab_size=vocab_size,
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
+    tokenizer.train_from_iterator(lines, trainer=trainer)
+    return tokenizer
+
+
+def build_tokenizer(out_dir: Path) -> Path:
+    """Train a small byte-level BPE on the built-in text and write tokenizer.json and
+    tokenizer_config.json (ChatML template, bos `<|endoftext|>`, eos `<|im_end|>`) to `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_byte_level_bpe(_CORPUS.splitlines(keepends=True), SPECIAL_TOKENS, _VOCAB_SIZE)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from backends.deepinfer.tiny import train_byte_level_bpe
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Hello world! How are you today? I am fine, thank you.",
@@ -59,12 +61,7 @@ LLAMA_TEMPLATE = (
 
 
 def build_chatml(out: Path) -> Path:
-    tok = _byte_level(
-        models.BPE(),
-        pre_tokenizers.ByteLevel(add_prefix_space=False),
-        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        vocab_size=600,
-    )
+    tok = train_byte_level_bpe(CORPUS, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], vocab_size=600)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     _write(
@@ -123,16 +120,15 @@ def build_llama(out: Path) -> Path:
 def build_llama3(out: Path) -> Path:
     """Built the way Llama 3's tokenizer is: a Split by its regex, then ByteLevel without one,
     merges ignored for a piece that is a token, a BOS added by a template; no chat template."""
-    tok = _byte_level(
-        models.BPE(ignore_merges=True),
-        pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        ),
+    split = pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated")
+    tok = train_byte_level_bpe(
+        CORPUS,
         ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"],
         vocab_size=700,
+        model=models.BPE(ignore_merges=True),
+        pre_tokenizer=pre_tokenizers.Sequence(
+            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        ),
     )
     tok.post_processor = processors.TemplateProcessing(
         single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 0)]
@@ -141,23 +137,6 @@ def build_llama3(out: Path) -> Path:
     tok.save(str(out / "tokenizer.json"))
     _write(out / "tokenizer_config.json", {"bos_token": "<|begin_of_text|>"})
     return out
-
-
-def _byte_level(
-    model: models.Model, pre_tokenizer: pre_tokenizers.PreTokenizer, special: list[str], vocab_size: int
-) -> Tokenizer:
-    """A byte-level BPE trained on CORPUS, its specials first (ids 0, 1, ...)."""
-    tok = Tokenizer(model)
-    tok.pre_tokenizer = pre_tokenizer
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=special,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    return tok
 
 
 def _write(path: Path, data: dict[str, object]) -> None:

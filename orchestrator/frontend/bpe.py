@@ -34,7 +34,7 @@ from typing import Any
 import tiktoken
 from tokenizers import Tokenizer
 
-from orchestrator.frontend.detokenizer import byte_alphabet
+from orchestrator.frontend.detokenizer import byte_level_bytes
 
 # HF's ByteLevel pre-tokenizer regex (GPT-2's), as tiktoken writes it for GPT-2.
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -145,17 +145,13 @@ def _pattern(pre_tokenizer: Mapping[str, Any] | None) -> str | None:
 def _ranks(model: Mapping[str, Any], specials: Mapping[str, int]) -> dict[bytes, int] | None:
     """Each vocabulary token's bytes -> its id, where the ids order the merges as HF does."""
     vocab: Mapping[str, int] = model.get("vocab") or {}
-    # Each character of the byte alphabet to its byte; any other character to one that
-    # latin-1 cannot encode, so that a token holding it fails.
-    table = {code: "\uffff" for code in range(256)}
-    table.update({ord(char): chr(byte) for char, byte in byte_alphabet().items()})
     ranks: dict[bytes, int] = {}
-    try:
-        for text, token_id in vocab.items():
-            if text not in specials:
-                ranks[text.translate(table).encode("latin-1")] = token_id
-    except UnicodeEncodeError:  # a character outside the byte alphabet: not byte-level BPE
-        return None
+    for text, token_id in vocab.items():
+        if text not in specials:
+            token = byte_level_bytes(text)
+            if token is None:  # a character outside the byte alphabet: not byte-level BPE
+                return None
+            ranks[token] = token_id
     last = -1
     for merge in model.get("merges") or []:
         left, right = merge.split(" ") if isinstance(merge, str) else merge

@@ -89,8 +89,10 @@ class StreamDetokenizer:
         return text
 
 
-def byte_alphabet() -> dict[str, int]:
-    """GPT-2's byte-to-unicode map, inverted: the character each byte is written as -> byte."""
+def _byte_alphabet_table() -> dict[int, str]:
+    """GPT-2's byte-to-unicode map, inverted, as a `str.translate` table: each character a byte
+    is written as -> that byte as a latin-1 character; every other character below 256 -> one
+    latin-1 cannot encode (those above 256 it cannot encode anyway)."""
     printable = [
         *range(ord("!"), ord("~") + 1),
         *range(ord("¡"), ord("¬") + 1),
@@ -99,7 +101,21 @@ def byte_alphabet() -> dict[str, int]:
     chars = {byte: chr(byte) for byte in printable}
     shifted = (byte for byte in range(256) if byte not in chars)
     chars.update({byte: chr(256 + n) for n, byte in enumerate(shifted)})
-    return {char: byte for byte, char in chars.items()}
+    table = {code: "\uffff" for code in range(256)}
+    table.update({ord(char): chr(byte) for byte, char in chars.items()})
+    return table
+
+
+_BYTE_ALPHABET = _byte_alphabet_table()
+
+
+def byte_level_bytes(text: str) -> bytes | None:
+    """The bytes a byte-level BPE token's text stands for; None if it holds a character
+    outside GPT-2's byte alphabet."""
+    try:
+        return text.translate(_BYTE_ALPHABET).encode("latin-1")
+    except UnicodeEncodeError:
+        return None
 
 
 def byte_tables(tokenizer: Tokenizer) -> dict[bool, list[bytes]] | None:
@@ -107,16 +123,14 @@ def byte_tables(tokenizer: Tokenizer) -> dict[bool, list[bytes]] | None:
     tokenizer's decoder is exactly ByteLevel and the tables decode a sample as it does."""
     if type(tokenizer.decoder) is not decoders.ByteLevel:
         return None
-    alphabet = byte_alphabet()
     table = [b""] * tokenizer.get_vocab_size(with_added_tokens=True)
     added = tokenizer.get_added_tokens_decoder()
     # Added tokens go through the decoder too; their ids may also be in the model's vocabulary.
     vocab = {**tokenizer.get_vocab(with_added_tokens=False), **{t.content: i for i, t in added.items()}}
     for text, token_id in vocab.items():
-        try:
-            table[token_id] = bytes([alphabet[char] for char in text])
-        except KeyError:  # ByteLevel keeps a token with a character outside its alphabet as is
-            table[token_id] = text.encode()
+        # ByteLevel keeps a token with a character outside its alphabet as it is.
+        data = byte_level_bytes(text)
+        table[token_id] = text.encode() if data is None else data
     skipping = list(table)
     for token_id, token in added.items():
         if token.special:

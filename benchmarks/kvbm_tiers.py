@@ -15,11 +15,15 @@ timing the two back to back keeps that drift out of the ratio. Every figure coun
 payload bytes (the raw passes move the same slots and values as the stores, headers and
 padding included), so a ratio is a ratio of blocks per second.
 
-Onboarding runs on the transfer engine's pool of threads, so the disk and Redis reads are
-timed once more that way: the same blocks read back as transfer jobs of `--batch` blocks
-each (a disk `get` per block, one Redis `get_many` per job) on `--workers` threads, from the
-first submit until the pool is idle. pool_speedup_<tier>_get is that figure against the
-store's single-thread one.
+Onboarding reads a sequence's prefix from disk with one `get_prefix` call, which reads each
+run of adjacent slots at once, so the disk is also timed that way: prefixes of `--batch`
+blocks through the store against raw reads of the same runs of slots (disk_get_prefix
+against disk_raw_read_run). It runs on the transfer engine's pool of threads, so the disk
+and Redis reads are timed once more that way: the same blocks read back as transfer jobs of
+`--batch` blocks each (one disk `get_prefix`, one Redis `get_many` per job) on `--workers`
+threads, from the first submit until the pool is idle, the disk's against raw reads of the
+same runs on a pool of its own (disk_raw_read_pool). pool_speedup_<tier>_get is the pooled
+figure against the store's single-thread one (the disk's: its `get_prefix`).
 
 Buffered disk I/O reads back from the page cache, so `disk_direct: false` figures are
 memory speeds, not the disk's. Redis runs on this machine (its own redis-server on a free
@@ -30,10 +34,12 @@ limits, not a network's.
         [--redis-url URL]
 
 Final JSON line: block_bytes, blocks, pool_workers, disk_direct, and in GB/s: memcpy,
-memcpy_out, disk_raw_write, disk_raw_read, redis_raw_set, redis_raw_get, host_put, host_get,
-disk_put, disk_get, disk_get_pool, redis_put_many, redis_get_many, redis_get_many_pool; then
-ratio_<tier>_<op> = store / raw (host_get against memcpy_out, host_put against memcpy) and
-pool_speedup_disk_get, pool_speedup_redis_get.
+memcpy_out, disk_raw_write, disk_raw_read, disk_raw_read_run, disk_raw_read_pool,
+redis_raw_set, redis_raw_get, host_put, host_get, disk_put, disk_get, disk_get_prefix,
+disk_get_pool, redis_put_many, redis_get_many, redis_get_many_pool; then ratio_<tier>_<op> =
+store / raw (host_get against memcpy_out, host_put against memcpy, disk_get_prefix against
+disk_raw_read_run, disk_get_pool against disk_raw_read_pool) and pool_speedup_disk_get,
+pool_speedup_redis_get.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import mmap
 import os
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -158,42 +165,79 @@ def open_direct(path: Path) -> tuple[int, bool]:
 def disk_tier(
     directory: Path, payloads: list[bytes], n: int, batch: int, workers: int, repeat: int
 ) -> dict[str, float | bool]:
-    """Whole-slot writes and reads, as DiskStore does them, without records or an index."""
+    """Whole-slot writes and reads, as DiskStore does them, without records or an index; and
+    prefixes of `batch` blocks read as onboarding reads them (`get_prefix`), against raw
+    reads of the same runs of slots."""
     size = len(payloads[0])
     slot = slot_bytes(size)
-    buffer = mmap.mmap(-1, slot)
+    buffer = mmap.mmap(-1, batch * slot)  # a prefix's adjacent slots are one read
     buffer[:size] = payloads[0]
+    view = memoryview(buffer)
+    one_slot = view[:slot]
     fd, direct = open_direct(directory / "raw.slab")
     os.posix_fallocate(fd, 0, n * slot)
     store = DiskStore(directory, n, size, LAYOUT)
     last = (repeat - 1) * n
+
+    def raw_runs(_: int) -> None:
+        for hashes in batches(n, batch):
+            os.preadv(fd, [view[: len(hashes) * slot]], hashes.start * slot)
+
+    local = threading.local()  # each transfer thread's own buffer for the raw pooled reads
+    thread_buffers: list[mmap.mmap] = []
+
+    def raw_job(hashes: range) -> None:
+        if not hasattr(local, "view"):
+            thread_buffers.append(mmap.mmap(-1, batch * slot))
+            local.view = memoryview(thread_buffers[-1])
+        os.preadv(fd, [local.view[: len(hashes) * slot]], hashes.start * slot)
+
+    def shifted(hashes: range) -> range:
+        return range(last + hashes.start, last + hashes.stop)
+
+    def prefixes(_: int) -> None:
+        for hashes in batches(n, batch):
+            store.get_prefix(shifted(hashes))
+
     try:
         raw_write, put = paired(
             n * size,
             repeat,
-            lambda _: each(n, lambda i: os.pwrite(fd, buffer, i * slot)),
+            lambda _: each(n, lambda i: os.pwrite(fd, one_slot, i * slot)),
             lambda r: each(n, lambda i: store.put(r * n + i, payloads[i % DISTINCT])),
         )
         raw_read, get = paired(
             n * size,
             repeat,
-            lambda _: each(n, lambda i: os.preadv(fd, [buffer], i * slot)),
+            lambda _: each(n, lambda i: os.preadv(fd, [one_slot], i * slot)),
             lambda _: each(n, lambda i: store.get(last + i)),
         )
+        raw_read_run, get_prefix = paired(n * size, repeat, raw_runs, prefixes)
         assert all(store.get(last + i) == payloads[i % DISTINCT] for i in range(0, n, max(1, n // 16)))
-        pool = pooled(
-            n * size, n, batch, workers, repeat, lambda hashes: [store.get(last + i) for i in hashes]
-        )
+        assert store.get_prefix(range(last, last + batch)) == [payloads[i % DISTINCT] for i in range(batch)]
+        raw_pool, pool = 0.0, 0.0
+        for _ in range(repeat):  # alternating, as `paired`
+            raw_pool = max(raw_pool, pooled(n * size, n, batch, workers, 1, raw_job))
+            pool = max(
+                pool, pooled(n * size, n, batch, workers, 1, lambda hashes: store.get_prefix(shifted(hashes)))
+            )
     finally:
         os.close(fd)
+        one_slot.release()
+        view.release()
         buffer.close()
+        for thread_buffer in thread_buffers:  # the pool's threads have ended: their views are gone
+            thread_buffer.close()
         store.close()
     return {
         "disk_direct": direct and store.direct,
         "disk_raw_write_GBps": raw_write,
         "disk_raw_read_GBps": raw_read,
+        "disk_raw_read_run_GBps": raw_read_run,
         "disk_put_GBps": put,
         "disk_get_GBps": get,
+        "disk_get_prefix_GBps": get_prefix,
+        "disk_raw_read_pool_GBps": raw_pool,
         "disk_get_pool_GBps": pool,
     }
 
@@ -260,13 +304,15 @@ RATIOS = {  # name: (store, raw)
     "host_get": ("host_get_GBps", "memcpy_out_GBps"),
     "disk_put": ("disk_put_GBps", "disk_raw_write_GBps"),
     "disk_get": ("disk_get_GBps", "disk_raw_read_GBps"),
+    "disk_get_prefix": ("disk_get_prefix_GBps", "disk_raw_read_run_GBps"),
+    "disk_get_pool": ("disk_get_pool_GBps", "disk_raw_read_pool_GBps"),
     "redis_put": ("redis_put_many_GBps", "redis_raw_set_GBps"),
     "redis_get": ("redis_get_many_GBps", "redis_raw_get_GBps"),
 }
 
 
 POOLED = {  # tier: (pooled read, single-thread read)
-    "disk": ("disk_get_pool_GBps", "disk_get_GBps"),
+    "disk": ("disk_get_pool_GBps", "disk_get_prefix_GBps"),
     "redis": ("redis_get_many_pool_GBps", "redis_get_many_GBps"),
 }
 

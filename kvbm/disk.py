@@ -35,9 +35,11 @@ import mmap
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+
+import numpy as np
 
 from kvbm import records
 from orchestrator.runtime.protocol import Tier
@@ -47,6 +49,14 @@ log = logging.getLogger(__name__)
 
 ALIGN = 4096
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _aligned(nbytes: int) -> memoryview:
+    """`nbytes` of fresh memory aligned for O_DIRECT. From the allocator, not a new mapping:
+    memory freed by earlier reads comes back without page faults, and without being zeroed."""
+    memory = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    offset = -memory.ctypes.data % ALIGN
+    return memory.data[offset : offset + nbytes]
 
 
 def slot_bytes(block_bytes: int) -> int:
@@ -119,7 +129,7 @@ class DiskStore:
 
     @contextmanager
     def _buffer(self) -> Iterator[memoryview]:
-        """A slot-sized buffer for one I/O, used by no other thread meanwhile. O_DIRECT needs
+        """A slot-sized buffer for one write, used by no other thread meanwhile. O_DIRECT needs
         the memory side aligned too: an anonymous mmap is page-aligned."""
         with self._lock:
             buffer = self._buffers.pop() if self._buffers else mmap.mmap(-1, self.slot_bytes)
@@ -162,33 +172,62 @@ class DiskStore:
         with self._lock:
             return seq_hash in self._slots
 
-    def get(self, seq_hash: int) -> bytes | None:
-        slot = self._pin(seq_hash)
-        if slot is None:
-            return None
-        payload = None
-        try:
-            with self._buffer() as view:
-                got = os.preadv(self._fd, [view], slot * self.slot_bytes)
-                checked = records.decode(view[:got], seq_hash, self.layout)
-                # The buffer is reused by the next read: the payload leaves as a copy.
-                payload = None if checked is None else bytes(checked)
-            if payload is None:
-                log.warning("%s: block %016x in slot %d failed its check, dropped", self.path, seq_hash, slot)
-        finally:  # a block that could not be read intact is dropped
-            self._end_read(slot, seq_hash if payload is None else None)
-        return payload
+    def get(self, seq_hash: int) -> records.Payload | None:
+        payloads = self.get_prefix([seq_hash])
+        return payloads[0] if payloads else None
 
-    def _pin(self, seq_hash: int) -> int | None:
-        """The block's slot, which becomes the most recently used and is not reused until
-        `_end_read`: a read of it is in flight in between. None on a miss."""
+    def get_prefix(self, hashes: Sequence[int]) -> list[records.Payload]:
+        """The payloads of the leading `hashes` held intact, up to the first block that is not
+        (a damaged one is dropped): a sequence's prefix, as onboarding reads it. Each run of
+        blocks in adjacent slots, which a sequence's blocks offloaded in order usually are, is
+        one read, so the disk streams a few large reads instead of waiting out one per block.
+        The reads go into fresh memory that the payloads are views of: nothing is copied."""
+        slots = self._pin_prefix(hashes)
+        payloads: list[records.Payload] = []
+        damaged: int | None = None
+        try:
+            size = self.slot_bytes
+            memory = _aligned(len(slots) * size)
+            for start, run in self._runs(slots):
+                view = memory[start * size : (start + len(run)) * size]
+                got = os.preadv(self._fd, [view], run[0] * size)
+                for k, slot in enumerate(run):
+                    seq_hash = hashes[start + k]
+                    checked = records.decode(view[k * size : min(got, (k + 1) * size)], seq_hash, self.layout)
+                    if checked is None:
+                        damaged = seq_hash
+                        log.warning(
+                            "%s: block %016x in slot %d failed its check, dropped", self.path, seq_hash, slot
+                        )
+                        return payloads
+                    payloads.append(checked)
+            return payloads
+        finally:  # a block that could not be read intact is dropped
+            for seq_hash, slot in zip(hashes, slots, strict=False):
+                self._end_read(slot, seq_hash if seq_hash == damaged else None)
+
+    @staticmethod
+    def _runs(slots: list[int]) -> Iterator[tuple[int, list[int]]]:
+        """`slots` cut into runs of adjacent slots: (index of the run's first slot, the run)."""
+        start = 0
+        for i in range(1, len(slots) + 1):
+            if i == len(slots) or slots[i] != slots[i - 1] + 1:
+                yield start, slots[start:i]
+                start = i
+
+    def _pin_prefix(self, hashes: Sequence[int]) -> list[int]:
+        """The slots of the leading `hashes` held, which become the most recently used and are
+        not reused until `_end_read`: a read of them is in flight in between."""
+        slots: list[int] = []
         with self._lock:
-            slot = self._slots.get(seq_hash)
-            if slot is None:
-                return None
-            self._slots.move_to_end(seq_hash)
-            self._reading[slot] = self._reading.get(slot, 0) + 1
-            return slot
+            for seq_hash in hashes:
+                slot = self._slots.get(seq_hash)
+                if slot is None:
+                    break
+                self._slots.move_to_end(seq_hash)
+                self._reading[slot] = self._reading.get(slot, 0) + 1
+                slots.append(slot)
+        return slots
 
     def _end_read(self, slot: int, drop: int | None) -> None:
         """A read of `slot` is over; `drop` is the block it held, when that failed its check.

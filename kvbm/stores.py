@@ -14,7 +14,7 @@ no bytes, only time (its shared tier is a `HostStore` too, so it also speaks `Re
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvbm.records import Payload
@@ -48,6 +48,16 @@ class KvStore(Protocol):
     def hashes(self) -> list[int]: ...
 
     def close(self) -> None: ...
+
+
+class PrefixStore(KvStore, Protocol):
+    """A store that reads a sequence's prefix in one call: the disk (G3), whose reads of
+    adjacent blocks are worth joining."""
+
+    def get_prefix(self, hashes: Sequence[int]) -> list[Payload]:
+        """The payloads of the leading `hashes` held intact, up to the first that is not; each
+        becomes the most recently used."""
+        ...
 
 
 class RemoteStore(KvStore, Protocol):
@@ -138,6 +148,15 @@ class HostStore:
 
     def get_many(self, hashes: list[int]) -> list[Payload | None]:
         return [self.get(h) for h in hashes]
+
+    def get_prefix(self, hashes: Sequence[int]) -> list[Payload]:
+        payloads: list[Payload] = []
+        for seq_hash in hashes:
+            payload = self.get(seq_hash)
+            if payload is None:
+                break
+            payloads.append(payload)
+        return payloads
 
     def put_many(self, items: list[tuple[int, Payload]]) -> None:
         for seq_hash, payload in items:

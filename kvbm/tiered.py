@@ -50,7 +50,7 @@ from functools import partial
 
 from kvbm import metrics
 from kvbm.records import Payload
-from kvbm.stores import HostStore, KvStore, RemoteStore
+from kvbm.stores import HostStore, KvStore, PrefixStore, RemoteStore
 from kvbm.transfer import TransferEngine
 from orchestrator.runtime.protocol import AllCleared, BlockRemoved, BlockStored, KvEvent, Tier
 
@@ -81,7 +81,7 @@ class TieredStore:
     def __init__(
         self,
         host: HostStore,
-        disk: KvStore | None = None,
+        disk: PrefixStore | None = None,
         remote: RemoteStore | None = None,
         disk_min_reuse: int = 1,
         transfer: TransferEngine | None = None,
@@ -236,13 +236,7 @@ class TieredStore:
         first block neither returns intact. On a transfer thread when there is one."""
         ran_out = False
         try:
-            i = 0
-            while i < len(hashes) and self.disk is not None and hashes[i] in self.disk:
-                payload = self._read(self.disk, hashes[i])
-                if payload is None:
-                    break
-                fetch.found[hashes[i]] = ("disk", payload)
-                i += 1
+            i = 0 if self.disk is None else self._read_disk(hashes, fetch)
             if i < len(hashes) and self.remote is not None:
                 i += self._read_remote(hashes[i:], fetch)
             ran_out = i < len(hashes)
@@ -250,19 +244,26 @@ class TieredStore:
             fetch.done = ran_out
             fetch.running = False
 
-    def _read(self, store: KvStore, seq_hash: int) -> Payload | None:
-        metrics.LOOKUPS.labels(self.worker, store.tier).inc()
+    def _read_disk(self, hashes: list[int], fetch: Fetch) -> int:
+        """How many leading `hashes` the disk returned intact (`DiskStore.get_prefix`)."""
+        disk = self.disk
+        assert disk is not None
+        held = 0
+        while held < len(hashes) and hashes[held] in disk:
+            held += 1
+        if not held:
+            return 0
         started = time.perf_counter()
-        payload = store.get(seq_hash)
-        # Held, but not intact (or the store just went away, or a concurrent write evicted it).
-        if payload is None:
-            metrics.ERRORS.labels(self.worker, store.tier).inc()
-            return None
-        metrics.HITS.labels(self.worker, store.tier).inc()
-        metrics.TRANSFER_SECONDS.labels(self.worker, store.tier, "onboard").observe(
-            time.perf_counter() - started
-        )
-        return payload
+        payloads = disk.get_prefix(hashes[:held])
+        metrics.TRANSFER_SECONDS.labels(self.worker, "disk", "onboard").observe(time.perf_counter() - started)
+        metrics.LOOKUPS.labels(self.worker, "disk").inc(min(len(payloads) + 1, held))
+        metrics.HITS.labels(self.worker, "disk").inc(len(payloads))
+        # Held, but not intact (or a concurrent write evicted it): the read stopped there.
+        if len(payloads) < held:
+            metrics.ERRORS.labels(self.worker, "disk").inc()
+        for seq_hash, payload in zip(hashes, payloads, strict=False):
+            fetch.found[seq_hash] = ("disk", payload)
+        return len(payloads)
 
     def _read_remote(self, hashes: list[int], fetch: Fetch) -> int:
         """How many leading `hashes` the remote store returned, in one pipelined batch."""

@@ -110,8 +110,7 @@ def test_a_slot_being_read_is_never_claimed_and_a_discard_waits_for_the_read(tmp
     store = DiskStore(tmp_path, 2, BLOCK, LAYOUT)
     store.put(1, block(1))
     store.put(2, block(2))
-    slot = store._pin(1)  # a read of block 1 is in flight from here to _end_read
-    assert slot is not None
+    [slot] = store._pin_prefix([1])  # a read of block 1 is in flight from here to _end_read
     assert store.get(2) == block(2)  # 1 is now the least recently used, but being read
     assert store.put(3, block(3)) == [2] and store.put(4, block(4)) == [3]
     store.discard(1)
@@ -122,8 +121,8 @@ def test_a_slot_being_read_is_never_claimed_and_a_discard_waits_for_the_read(tmp
         return store.path.read_bytes()[slot * store.slot_bytes :][: store.slot_bytes]
 
     assert records.decode(record_in_slot(), 1, LAYOUT) == block(1)  # what the read still sees
-    other = store._pin(5)  # every slot being read: a put stores nothing rather than wait
-    assert other is not None and store.put(6, block(6)) == [] and 6 not in store
+    [other] = store._pin_prefix([5])  # every slot being read: a put stores nothing rather than wait
+    assert store.put(6, block(6)) == [] and 6 not in store
     store._end_read(other, None)
     store._end_read(slot, None)  # the read ends: the slot is wiped and freed
     assert records.decode(record_in_slot(), 1, LAYOUT) is None

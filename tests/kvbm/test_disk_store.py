@@ -87,15 +87,53 @@ def test_a_flipped_byte_is_a_miss_and_the_block_is_gone(tmp_path: Path, o_direct
     store = DiskStore(tmp_path, 4, BLOCK, LAYOUT, o_direct=o_direct)
     store.put(7, block(7))
     store.put(8, block(8))
-    data = store.path.read_bytes()
-    at = data.index(b"block-0007:") + 100
-    with store.path.open("r+b") as f:
-        f.seek(at)
-        f.write(bytes([data[at] ^ 0x01]))
+    flip_a_byte(store, 7)
     assert store.get(7) is None
     assert 7 not in store and store.get(8) == block(8)
     store.close()
     assert 7 not in DiskStore(tmp_path, 4, BLOCK, LAYOUT, o_direct=o_direct)
+
+
+def flip_a_byte(store: DiskStore, i: int) -> None:
+    data = store.path.read_bytes()
+    at = data.index(f"block-{i:04d}:".encode()) + 100
+    with store.path.open("r+b") as f:
+        f.seek(at)
+        f.write(bytes([data[at] ^ 0x01]))
+
+
+def test_a_prefix_is_read_in_runs_of_adjacent_slots_up_to_the_first_miss(
+    tmp_path: Path, o_direct: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = DiskStore(tmp_path, 8, BLOCK, LAYOUT, o_direct=o_direct)
+    for i in range(8):
+        store.put(i, block(i))
+    store.discard(2)
+    store.put(20, block(20))  # slot 2, between blocks 1 and 3
+    reads: list[int] = []
+    preadv = os.preadv
+    monkeypatch.setattr(
+        os, "preadv", lambda fd, buffers, offset: reads.append(offset) or preadv(fd, buffers, offset)
+    )
+    prefix = [0, 1, 3, 4, 5, 6, 7]  # slots 0 and 1, then 3 to 7: two reads
+    assert store.get_prefix(prefix) == [block(i) for i in prefix]
+    assert reads == [0, 3 * store.slot_bytes]
+    assert store.get_prefix([0, 1, 9, 3]) == [block(0), block(1)]  # 9 is not held: the prefix ends
+    assert store.get_prefix([9, 0]) == []
+    store.close()
+
+
+def test_a_damaged_block_ends_the_prefix_and_is_dropped_alone(tmp_path: Path, o_direct: bool) -> None:
+    store = DiskStore(tmp_path, 6, BLOCK, LAYOUT, o_direct=o_direct)
+    for i in range(6):
+        store.put(i, block(i))
+    flip_a_byte(store, 3)
+    assert store.get_prefix(list(range(6))) == [block(0), block(1), block(2)]
+    assert 3 not in store
+    # The blocks read with it in its run are intact, and the slot of the damaged one is free.
+    assert store.get_prefix([4, 5]) == [block(4), block(5)]
+    assert store.put(30, block(30)) == [] and store.get(30) == block(30)
+    store.close()
 
 
 def test_another_layout_is_a_miss(tmp_path: Path) -> None:

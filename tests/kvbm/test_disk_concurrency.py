@@ -1,8 +1,8 @@
 """DiskStore used from several threads at once, as the transfer engine's pool uses it: on a
-slab file in tmpfs (memory speed, so threads really interleave), concurrent puts, gets and
-discards lose no block, never return another block's bytes, and never let a write or a wipe
-land on a slot while a read of it is in flight (which a read would see as a damaged block,
-logged as a failed check)."""
+slab file in tmpfs (memory speed, so threads really interleave), concurrent puts, gets (of one
+block, and of prefixes read a run of slots at a time) and discards lose no block, never
+return another block's bytes, and never let a write or a wipe land on a slot while a read of
+it is in flight (which a read would see as a damaged block, logged as a failed check)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,10 @@ def test_concurrent_puts_and_gets_lose_and_corrupt_nothing(
             for other in [*rng.sample(mine, min(3, len(mine))), rng.randrange(THREADS * 10_000)]:
                 got = store.get(other)
                 assert got is None or got == block(other)
+            # A prefix of this thread's latest blocks: their slots are often adjacent, one read.
+            recent = mine[-4:]
+            prefix = store.get_prefix(recent)
+            assert [bytes(p) for p in prefix] == [block(h) for h in recent[: len(prefix)]]
 
     at_once(THREADS, work)
     everything = {t * 10_000 + i for t in range(THREADS) for i in range(puts)}
@@ -92,6 +96,8 @@ def test_no_slot_is_written_or_wiped_while_it_is_being_read(
                 for seq_hash, payload in payloads.items():
                     got = store.get(seq_hash)
                     assert got is None or got == payload
+                both = store.get_prefix([1, 2])  # one read where their slots are adjacent
+                assert [bytes(p) for p in both] == [payloads[1], payloads[2]][: len(both)]
             elif t < readers + 2:
                 seq_hash = t - readers + 1
                 store.discard(seq_hash)

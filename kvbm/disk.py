@@ -183,6 +183,8 @@ class DiskStore:
         one read, so the disk streams a few large reads instead of waiting out one per block.
         The reads go into fresh memory that the payloads are views of: nothing is copied."""
         slots = self._pin_prefix(hashes)
+        if not slots:
+            return []
         payloads: list[records.Payload] = []
         damaged: int | None = None
         try:

@@ -16,9 +16,11 @@ payload bytes (the raw passes move the same slots and values as the stores, head
 padding included), so a ratio is a ratio of blocks per second.
 
 Onboarding reads a sequence's prefix from disk with one `get_prefix` call, which reads each
-run of adjacent slots at once, so the disk is also timed that way: prefixes of `--batch`
-blocks through the store against raw reads of the same runs of slots (disk_get_prefix
-against disk_raw_read_run). It runs on the transfer engine's pool of threads, so the disk
+run of adjacent slots at once, and a step's evictions from host memory go to disk in one
+`put_blocks` call, which writes them the same way, so the disk is also timed that way:
+batches of `--batch` blocks through the store against raw reads and writes of the same runs
+of slots (disk_get_prefix against disk_raw_read_run, disk_put_blocks against
+disk_raw_write_run). It runs on the transfer engine's pool of threads, so the disk
 and Redis reads are timed once more that way: the same blocks read back as transfer jobs of
 `--batch` blocks each (one disk `get_prefix`, one Redis `get_many` per job) on `--workers`
 threads, from the first submit until the pool is idle, the disk's against raw reads of the
@@ -34,10 +36,11 @@ limits, not a network's.
         [--redis-url URL]
 
 Final JSON line: block_bytes, blocks, pool_workers, disk_direct, and in GB/s: memcpy,
-memcpy_out, disk_raw_write, disk_raw_read, disk_raw_read_run, disk_raw_read_pool,
-redis_raw_set, redis_raw_get, host_put, host_get, disk_put, disk_get, disk_get_prefix,
-disk_get_pool, redis_put_many, redis_get_many, redis_get_many_pool; then ratio_<tier>_<op> =
-store / raw (host_get against memcpy_out, host_put against memcpy, disk_get_prefix against
+memcpy_out, disk_raw_write, disk_raw_write_run, disk_raw_read, disk_raw_read_run,
+disk_raw_read_pool, redis_raw_set, redis_raw_get, host_put, host_get, disk_put,
+disk_put_blocks, disk_get, disk_get_prefix, disk_get_pool, redis_put_many, redis_get_many,
+redis_get_many_pool; then ratio_<tier>_<op> = store / raw (host_get against memcpy_out,
+host_put against memcpy, disk_put_blocks against disk_raw_write_run, disk_get_prefix against
 disk_raw_read_run, disk_get_pool against disk_raw_read_pool) and pool_speedup_disk_get,
 pool_speedup_redis_get.
 """
@@ -183,6 +186,15 @@ def disk_tier(
         for hashes in batches(n, batch):
             os.preadv(fd, [view[: len(hashes) * slot]], hashes.start * slot)
 
+    def raw_write_runs(_: int) -> None:
+        for hashes in batches(n, batch):
+            os.pwrite(fd, view[: len(hashes) * slot], hashes.start * slot)
+
+    def put_runs(r: int) -> None:  # fresh hashes, after the single puts' (r * n + i)
+        base = (repeat + r) * n
+        for hashes in batches(n, batch):
+            store.put_blocks([(base + i, payloads[i % DISTINCT]) for i in hashes])
+
     local = threading.local()  # each transfer thread's own buffer for the raw pooled reads
     thread_buffers: list[mmap.mmap] = []
 
@@ -200,6 +212,7 @@ def disk_tier(
             store.get_prefix(shifted(hashes))
 
     try:
+        raw_write_run, put_blocks = paired(n * size, repeat, raw_write_runs, put_runs)
         raw_write, put = paired(
             n * size,
             repeat,
@@ -232,9 +245,11 @@ def disk_tier(
     return {
         "disk_direct": direct and store.direct,
         "disk_raw_write_GBps": raw_write,
+        "disk_raw_write_run_GBps": raw_write_run,
         "disk_raw_read_GBps": raw_read,
         "disk_raw_read_run_GBps": raw_read_run,
         "disk_put_GBps": put,
+        "disk_put_blocks_GBps": put_blocks,
         "disk_get_GBps": get,
         "disk_get_prefix_GBps": get_prefix,
         "disk_raw_read_pool_GBps": raw_pool,
@@ -303,6 +318,7 @@ RATIOS = {  # name: (store, raw)
     "host_put": ("host_put_GBps", "memcpy_GBps"),
     "host_get": ("host_get_GBps", "memcpy_out_GBps"),
     "disk_put": ("disk_put_GBps", "disk_raw_write_GBps"),
+    "disk_put_blocks": ("disk_put_blocks_GBps", "disk_raw_write_run_GBps"),
     "disk_get": ("disk_get_GBps", "disk_raw_read_GBps"),
     "disk_get_prefix": ("disk_get_prefix_GBps", "disk_raw_read_run_GBps"),
     "disk_get_pool": ("disk_get_pool_GBps", "disk_raw_read_pool_GBps"),

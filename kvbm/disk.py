@@ -1,7 +1,8 @@
 """G3: KV blocks in one preallocated slab file on local disk, one fixed-size slot per block.
 
 One file of fixed slots rather than a file per block: a block is one positioned write or read
-(no open, no directory entry, no metadata journal), and the space is claimed once, at open,
+(no open, no directory entry, no metadata journal), blocks in adjacent slots one for all of
+them (`put_blocks`, `get_prefix`), and the space is claimed once, at open,
 so a full disk shows itself up front instead of in the middle of a step. Slots are rounded up
 to 4096 bytes so the file can be opened with O_DIRECT: the KV is read once, by the engine,
 and caching it again in the page cache would only take memory from the host tier (G2).
@@ -18,7 +19,7 @@ what the disk holds and goes on evicting within that.
 
 The store is called from several threads at once (the transfer engine's pool, and the step
 thread asking what it holds). Reads and writes are positioned (`preadv`, `pwrite`), each
-into a buffer of its own, so I/O on distinct slots runs in parallel; only the index, the
+from or into memory of its own, so I/O on distinct slots runs in parallel; only the index, the
 free list and the count of reads in flight on each slot are under one lock, never held
 across I/O. A slot is owned by one party at a time: free, being written (by the put that
 claimed it; its block is in the index only once the write is done), or holding a block.
@@ -31,12 +32,10 @@ from __future__ import annotations
 
 import errno
 import logging
-import mmap
 import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -92,7 +91,6 @@ class DiskStore:
         self._free: list[int] = []
         self._reading: dict[int, int] = {}  # slot -> reads of it in flight
         self._dropped: set[int] = set()  # slots forgotten while being read: the last read frees them
-        self._buffers: list[mmap.mmap] = []  # idle I/O buffers, one per I/O that ever ran at once
         self._fd, self.direct = self._open(o_direct)
         self._preallocate()
         try:
@@ -127,33 +125,19 @@ class DiskStore:
                 raise
             self._no_space("%s: no space for %d bytes of KV slots, storing what fits", self.path, size)
 
-    @contextmanager
-    def _buffer(self) -> Iterator[memoryview]:
-        """A slot-sized buffer for one write, used by no other thread meanwhile. O_DIRECT needs
-        the memory side aligned too: an anonymous mmap is page-aligned."""
-        with self._lock:
-            buffer = self._buffers.pop() if self._buffers else mmap.mmap(-1, self.slot_bytes)
-        try:
-            with memoryview(buffer) as view:
-                yield view
-        finally:
-            with self._lock:
-                self._buffers.append(buffer)
-
     def _scan(self) -> None:
         """Rebuild the index from the slots' headers; a slot whose header does not name a
         block of this layout and size (or names one already found) is free."""
         self._slots.clear()
         self._free.clear()
-        with self._buffer() as view:
-            header = view[:ALIGN]
-            for slot in range(self.capacity_blocks):
-                got = os.preadv(self._fd, [header], slot * self.slot_bytes)
-                seq_hash = self._header_hash(header[:got])
-                if seq_hash is None or seq_hash in self._slots:
-                    self._free.append(slot)
-                else:
-                    self._slots[seq_hash] = slot
+        header = _aligned(ALIGN)
+        for slot in range(self.capacity_blocks):
+            got = os.preadv(self._fd, [header], slot * self.slot_bytes)
+            seq_hash = self._header_hash(header[:got])
+            if seq_hash is None or seq_hash in self._slots:
+                self._free.append(slot)
+            else:
+                self._slots[seq_hash] = slot
         self._free.reverse()  # pop() hands out the lowest slot first
 
     def _header_hash(self, header: memoryview) -> int | None:
@@ -250,27 +234,68 @@ class DiskStore:
     def put(self, seq_hash: int, payload: records.Payload) -> list[int]:
         """Store a block; a disk too full to take it stores nothing (the evicted hashes are
         still returned: those blocks are gone)."""
+        return self.put_blocks([(seq_hash, payload)])
+
+    def put_blocks(self, blocks: Sequence[tuple[int, records.Payload]]) -> list[int]:
+        """Store blocks, the last the most recently used (one already held only becomes the
+        most recently used); returns the hashes evicted for them. Blocks given slots that are
+        adjacent, as the free slots and the blocks evicted together mostly are, go in one
+        write a run: the disk takes a few large writes instead of one per block. More blocks
+        than the disk holds store the last of them; a disk too full stores what fits."""
+        claims: list[tuple[int, int, records.Payload]] = []  # (slot, seq_hash, payload)
+        evicted: list[int] = []
         with self._lock:
-            if seq_hash in self._slots:
-                self._slots.move_to_end(seq_hash)
-                return []
-            if len(payload) != self.block_bytes:
-                raise ValueError(f"a block is {self.block_bytes} bytes here, got {len(payload)}")
-            claimed = self._claim()
-        if claimed is None:
-            return []
-        slot, old = claimed
-        evicted = [] if old is None else [old]
-        with self._buffer() as view:
-            records.encode_into(view, seq_hash, self.layout, payload)
-            written = self._write(slot, view)
-        if written:
-            with self._lock:
+            fresh: dict[int, records.Payload] = {}
+            for seq_hash, payload in blocks:
+                if seq_hash in self._slots:
+                    self._slots.move_to_end(seq_hash)
+                elif len(payload) != self.block_bytes:
+                    raise ValueError(f"a block is {self.block_bytes} bytes here, got {len(payload)}")
+                else:
+                    fresh[seq_hash] = payload
+            for seq_hash, payload in list(fresh.items())[-self.capacity_blocks :]:
+                claimed = self._claim()
+                if claimed is None:
+                    break
+                slot, old = claimed
+                if old is not None:
+                    evicted.append(old)
+                claims.append((slot, seq_hash, payload))
+        written = [claim for run in self._adjacent(claims) for claim in self._write_run(run)]
+        with self._lock:
+            for slot, seq_hash, _ in written:
                 if seq_hash in self._slots:  # a concurrent put of the same block ended first
                     self._free.append(slot)
                 else:
                     self._slots[seq_hash] = slot
         return evicted
+
+    @staticmethod
+    def _adjacent(
+        claims: list[tuple[int, int, records.Payload]],
+    ) -> Iterator[list[tuple[int, int, records.Payload]]]:
+        """`claims` cut into runs whose slots follow one another."""
+        start = 0
+        for i in range(1, len(claims) + 1):
+            if i == len(claims) or claims[i][0] != claims[i - 1][0] + 1:
+                yield claims[start:i]
+                start = i
+
+    def _write_run(
+        self, run: list[tuple[int, int, records.Payload]]
+    ) -> list[tuple[int, int, records.Payload]]:
+        """Write the records of a run of adjacent slots (which the caller owns) at once; the
+        claims written. A run the disk cannot take whole goes again a slot at a time, so that
+        a full disk retires the slots it has no room for and keeps the rest."""
+        size = self.slot_bytes
+        memory = _aligned(len(run) * size)
+        for k, (_, seq_hash, payload) in enumerate(run):
+            records.encode_into(memory[k * size : (k + 1) * size], seq_hash, self.layout, payload)
+        if len(run) > 1 and self._write_all(run[0][0], memory):
+            return run
+        return [
+            claim for k, claim in enumerate(run) if self._write(claim[0], memory[k * size : (k + 1) * size])
+        ]
 
     def _claim(self) -> tuple[int, int | None] | None:
         """Under the lock: a slot to write and the block evicted for it, if any. A free slot,
@@ -284,16 +309,19 @@ class DiskStore:
                 return slot, old
         return None
 
-    def _write(self, slot: int, data: memoryview) -> bool:
-        """Write `data` to `slot` (which the caller owns); False, and the slot retired, when
-        the disk is full (a short write is one that ran out of space)."""
+    def _write_all(self, slot: int, data: memoryview) -> bool:
+        """Write `data` from `slot` on; False if the disk took less (out of space)."""
         try:
-            written = os.pwrite(self._fd, data, slot * self.slot_bytes)
+            return os.pwrite(self._fd, data, slot * self.slot_bytes) == len(data)
         except OSError as e:
             if e.errno not in _NO_SPACE:
                 raise
-            written = -1
-        if written == len(data):
+            return False
+
+    def _write(self, slot: int, data: memoryview) -> bool:
+        """Write `data` to `slot` (which the caller owns); False, and the slot retired, when
+        the disk is full (a short write is one that ran out of space)."""
+        if self._write_all(slot, data):
             return True
         with self._lock:
             self.capacity_blocks -= 1
@@ -314,10 +342,9 @@ class DiskStore:
 
     def _wipe(self, slot: int) -> None:
         """Zero the header of a slot no one else holds, then free it."""
-        with self._buffer() as view:
-            view[:ALIGN] = bytes(ALIGN)
-            written = self._write(slot, view[:ALIGN])
-        if written:
+        zeros = _aligned(ALIGN)
+        zeros[:] = bytes(ALIGN)
+        if self._write(slot, zeros):
             with self._lock:
                 self._free.append(slot)
 
@@ -335,6 +362,3 @@ class DiskStore:
             self._fd = -1
             self._slots.clear()
             self._free.clear()
-            for buffer in self._buffers:
-                buffer.close()
-            self._buffers.clear()

@@ -51,12 +51,17 @@ class KvStore(Protocol):
 
 
 class PrefixStore(KvStore, Protocol):
-    """A store that reads a sequence's prefix in one call: the disk (G3), whose reads of
-    adjacent blocks are worth joining."""
+    """A store that reads a sequence's prefix and writes a step's blocks in one call: the
+    disk (G3), whose I/O on adjacent blocks is worth joining."""
 
     def get_prefix(self, hashes: Sequence[int]) -> list[Payload]:
         """The payloads of the leading `hashes` held intact, up to the first that is not; each
         becomes the most recently used."""
+        ...
+
+    def put_blocks(self, blocks: Sequence[tuple[int, Payload]]) -> list[int]:
+        """`put` of each block in order, the last the most recently used (of more than the
+        store holds, the last); returns the hashes evicted for them."""
         ...
 
 
@@ -148,6 +153,12 @@ class HostStore:
 
     def get_many(self, hashes: list[int]) -> list[Payload | None]:
         return [self.get(h) for h in hashes]
+
+    def put_blocks(self, blocks: Sequence[tuple[int, Payload]]) -> list[int]:
+        evicted: list[int] = []
+        for seq_hash, payload in blocks[-self.capacity_blocks :]:
+            evicted += self.put(seq_hash, payload)
+        return evicted
 
     def get_prefix(self, hashes: Sequence[int]) -> list[Payload]:
         payloads: list[Payload] = []

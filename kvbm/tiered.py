@@ -145,10 +145,12 @@ class TieredStore:
 
     def _offload_batch(self, hashes: list[int], fill: Fill) -> None:
         slots: list[memoryview] = []
+        demoted: list[tuple[int, Payload]] = []
         for seq_hash in hashes:
-            self._make_host_room()
+            self._make_host_room(demoted)
             slot, _ = self.host.reserve(seq_hash)  # room made: it evicts nothing
             slots.append(slot)
+        self._demote(demoted)
         fill(hashes, slots)
         self._stored("host", hashes)
         if self.remote is not None:
@@ -156,7 +158,8 @@ class TieredStore:
             blocks: list[tuple[int, Payload]] = [(h, bytes(s)) for h, s in zip(hashes, slots, strict=True)]
             self._slow(partial(self._write_remote, blocks))
 
-    def _make_host_room(self) -> None:
+    def _make_host_room(self, demoted: list[tuple[int, Payload]]) -> None:
+        """Evict from host memory until a block fits; those bound for the disk join `demoted`."""
         while len(self.host) >= self.host.capacity_blocks:
             oldest = self.host.pop_oldest()
             if oldest is None:
@@ -165,19 +168,27 @@ class TieredStore:
             self._event(BlockRemoved(seq_hashes=[seq_hash], tier="host"))
             reused = self._reuse.get(seq_hash, 0) >= self.disk_min_reuse
             if self.disk is not None and reused and seq_hash not in self.disk:
-                self._slow(partial(self._write_disk, seq_hash, payload))
+                demoted.append((seq_hash, payload))
 
-    def _write_disk(self, seq_hash: int, payload: Payload) -> None:
+    def _demote(self, blocks: list[tuple[int, Payload]]) -> None:
+        """Write a step's evictions from host memory to disk as one job: blocks evicted
+        together mostly get adjacent slots there, and go in one write (`put_blocks`)."""
+        if blocks:
+            self._slow(partial(self._write_disk, blocks))
+
+    def _write_disk(self, blocks: list[tuple[int, Payload]]) -> None:
         disk = self.disk
         assert disk is not None
         with self._disk_writes:
-            if seq_hash in disk:
+            blocks = [(seq_hash, payload) for seq_hash, payload in blocks if seq_hash not in disk]
+            if not blocks:
                 return
-            evicted = disk.put(seq_hash, payload)
+            evicted = disk.put_blocks(blocks)
             if evicted:
                 self._event(BlockRemoved(seq_hashes=evicted, tier="disk"))
-            if seq_hash in disk:  # a full disk stores nothing: no event for it
-                self._stored("disk", [seq_hash])
+            stored = [seq_hash for seq_hash, _ in blocks if seq_hash in disk]
+            if stored:  # a full disk stores what fits: no event for the rest
+                self._stored("disk", stored)
 
     def _write_remote(self, blocks: list[tuple[int, Payload]]) -> None:
         remote = self.remote
@@ -299,12 +310,14 @@ class TieredStore:
 
     def _promote(self) -> None:
         promoted: list[int] = []
+        demoted: list[tuple[int, Payload]] = []
         for seq_hash, payload in self._promotions:
             if seq_hash not in self.host:
-                self._make_host_room()
+                self._make_host_room(demoted)
                 self.host.put(seq_hash, payload)
                 promoted.append(seq_hash)
         self._promotions.clear()
+        self._demote(demoted)
         if promoted:
             self._stored("host", promoted)
 

@@ -123,6 +123,42 @@ def test_a_prefix_is_read_in_runs_of_adjacent_slots_up_to_the_first_miss(
     store.close()
 
 
+def test_blocks_put_together_go_in_one_write_a_run_of_adjacent_slots(
+    tmp_path: Path, o_direct: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = DiskStore(tmp_path, 6, BLOCK, LAYOUT, o_direct=o_direct)
+    writes: list[tuple[int, int]] = []
+    pwrite = os.pwrite
+    monkeypatch.setattr(
+        os, "pwrite", lambda fd, data, offset: writes.append((offset, len(data))) or pwrite(fd, data, offset)
+    )
+    assert store.put_blocks([(i, block(i)) for i in range(4)]) == []
+    assert writes == [(0, 4 * store.slot_bytes)]  # free slots 0-3: one write
+    writes.clear()
+    # 1 is held already (it only becomes the most recent); 4 and 5 fill the last free slots,
+    # then 6 and 7 evict the least recent, 0 and 2, whose slots are not adjacent.
+    assert store.put_blocks([(1, block(1)), (4, block(4)), (5, block(5)), (6, block(6)), (7, block(7))]) == [
+        0,
+        2,
+    ]
+    assert writes == [
+        (4 * store.slot_bytes, 2 * store.slot_bytes),
+        (0, store.slot_bytes),
+        (2 * store.slot_bytes, store.slot_bytes),
+    ]
+    assert store.hashes() == [3, 1, 4, 5, 6, 7]
+    store.close()
+    reopened = DiskStore(tmp_path, 6, BLOCK, LAYOUT, o_direct=o_direct)
+    assert all(reopened.get(h) == block(h) for h in (1, 3, 4, 5, 6, 7))
+    # More blocks than the disk holds: the last of them.
+    assert sorted(reopened.put_blocks([(i, block(i)) for i in range(10, 20)])) == [1, 3, 4, 5, 6, 7]
+    assert sorted(reopened.hashes()) == list(range(14, 20))
+    with pytest.raises(ValueError):
+        reopened.put_blocks([(30, block(30)), (31, b"short")])
+    assert 30 not in reopened  # a batch with a bad block stores none of it
+    reopened.close()
+
+
 def test_a_damaged_block_ends_the_prefix_and_is_dropped_alone(tmp_path: Path, o_direct: bool) -> None:
     store = DiskStore(tmp_path, 6, BLOCK, LAYOUT, o_direct=o_direct)
     for i in range(6):
@@ -187,6 +223,18 @@ def test_a_full_disk_stores_what_fits_and_warns_once(
     assert store.hashes()[-1] == 39  # still taking blocks, by evicting within what fits
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    store.close()
+
+
+def test_a_full_disk_takes_what_fits_of_blocks_put_together(tiny_tmpfs: Path) -> None:
+    size = 8000  # as above: 16 slots of 8 KiB do not fit
+    store = DiskStore(tiny_tmpfs, 16, size, LAYOUT)
+    evicted = store.put_blocks([(i, block(i, size)) for i in range(16)])
+    assert evicted == [] and 0 < len(store) < 16  # the run did not fit: its slots one at a time
+    assert store.capacity_blocks == len(store)
+    assert all(store.get(h) == block(h, size) for h in store.hashes())
+    assert store.put_blocks([(i, block(i, size)) for i in range(100, 103)]) != []  # evicting within it
+    assert all(h in store for h in (100, 101, 102))
     store.close()
 
 

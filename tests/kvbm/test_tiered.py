@@ -4,6 +4,7 @@ event per store and removal with its tier, and a damaged block counted and serve
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,24 @@ def test_a_step_larger_than_host_memory_passes_through_it_in_order(tmp_path: Pat
     assert [bytes(store.host.get(h) or b"") for h in (4, 5)] == [payload(4), payload(5)]
     with pytest.raises(ValueError, match="held already"):
         store.host.reserve(5)
+
+
+def test_what_one_step_evicts_from_host_memory_goes_to_disk_in_one_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = tiers(tmp_path, host_blocks=4, disk_min_reuse=0)
+    store.offload([(h, payload(h)) for h in (1, 2, 3, 4)])
+    writes: list[int] = []
+    pwrite = os.pwrite
+    monkeypatch.setattr(
+        os, "pwrite", lambda fd, data, offset: writes.append(len(data)) or pwrite(fd, data, offset)
+    )
+    store.offload([(h, payload(h)) for h in (5, 6, 7)])  # evicts 1, 2 and 3 from host memory
+    assert store.disk is not None
+    assert writes == [3 * store.disk.slot_bytes]
+    events = by_tier(store.take_events())
+    assert events[("stored", "disk")] == [1, 2, 3]
+    assert [store.disk.get(h) for h in (1, 2, 3)] == [payload(h) for h in (1, 2, 3)]
 
 
 def test_a_host_hit_is_the_slot_itself_and_holds_until_the_step_ends(tmp_path: Path) -> None:

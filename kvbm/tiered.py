@@ -28,9 +28,10 @@ Policy, learned from NVIDIA Dynamo's KVBM and LMCache without copying either:
   instead: offloads are queued (and skipped when the queue is full), and a prefix that
   continues on a slow tier is read there while its sequence waits (`Fetch.running`), so a
   step never waits for a disk or a network. Reads for several sequences and Redis writes
-  run at once (one sequence has one read at a time); disk writes run one at a time, each
-  with its events, so that the events of a block stored by one write and evicted by another
-  come in the order the disk did both. Without an engine (the mocker, which moves no bytes)
+  run at once (one sequence has one read at a time); what a step evicts for the disk is one
+  write job (`put_blocks`), and the jobs run one at a time, each with its events, so that the
+  events of a block stored by one job and evicted by another come in the order the disk did
+  both. Without an engine (the mocker, which moves no bytes)
   all of it runs inline.
 
 A block a tier cannot return intact is a miss (the engine recomputes it), counted in

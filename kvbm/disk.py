@@ -58,6 +58,15 @@ def _aligned(nbytes: int) -> memoryview:
     return memory.data[offset : offset + nbytes]
 
 
+def _runs(slots: list[int]) -> Iterator[tuple[int, int]]:
+    """`slots` cut into runs of adjacent slots, each one I/O: (start, stop) indices into it."""
+    start = 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+            yield start, i
+            start = i
+
+
 def slot_bytes(block_bytes: int) -> int:
     """A slot holds the record header and the payload, rounded up to O_DIRECT's alignment."""
     return -(-(records.HEADER_BYTES + block_bytes) // ALIGN) * ALIGN
@@ -174,10 +183,10 @@ class DiskStore:
         try:
             size = self.slot_bytes
             memory = _aligned(len(slots) * size)
-            for start, run in self._runs(slots):
-                view = memory[start * size : (start + len(run)) * size]
-                got = os.preadv(self._fd, [view], run[0] * size)
-                for k, slot in enumerate(run):
+            for start, stop in _runs(slots):
+                view = memory[start * size : stop * size]
+                got = os.preadv(self._fd, [view], slots[start] * size)
+                for k, slot in enumerate(slots[start:stop]):
                     seq_hash = hashes[start + k]
                     checked = records.decode(view[k * size : min(got, (k + 1) * size)], seq_hash, self.layout)
                     if checked is None:
@@ -191,15 +200,6 @@ class DiskStore:
         finally:  # a block that could not be read intact is dropped
             for seq_hash, slot in zip(hashes, slots, strict=False):
                 self._end_read(slot, seq_hash if seq_hash == damaged else None)
-
-    @staticmethod
-    def _runs(slots: list[int]) -> Iterator[tuple[int, list[int]]]:
-        """`slots` cut into runs of adjacent slots: (index of the run's first slot, the run)."""
-        start = 0
-        for i in range(1, len(slots) + 1):
-            if i == len(slots) or slots[i] != slots[i - 1] + 1:
-                yield start, slots[start:i]
-                start = i
 
     def _pin_prefix(self, hashes: Sequence[int]) -> list[int]:
         """The slots of the leading `hashes` held, which become the most recently used and are
@@ -261,7 +261,8 @@ class DiskStore:
                 if old is not None:
                     evicted.append(old)
                 claims.append((slot, seq_hash, payload))
-        written = [claim for run in self._adjacent(claims) for claim in self._write_run(run)]
+        runs = _runs([slot for slot, _, _ in claims])
+        written = [claim for start, stop in runs for claim in self._write_run(claims[start:stop])]
         with self._lock:
             for slot, seq_hash, _ in written:
                 if seq_hash in self._slots:  # a concurrent put of the same block ended first
@@ -269,17 +270,6 @@ class DiskStore:
                 else:
                     self._slots[seq_hash] = slot
         return evicted
-
-    @staticmethod
-    def _adjacent(
-        claims: list[tuple[int, int, records.Payload]],
-    ) -> Iterator[list[tuple[int, int, records.Payload]]]:
-        """`claims` cut into runs whose slots follow one another."""
-        start = 0
-        for i in range(1, len(claims) + 1):
-            if i == len(claims) or claims[i][0] != claims[i - 1][0] + 1:
-                yield claims[start:i]
-                start = i
 
     def _write_run(
         self, run: list[tuple[int, int, records.Payload]]

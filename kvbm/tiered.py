@@ -31,8 +31,7 @@ Policy, learned from NVIDIA Dynamo's KVBM and LMCache without copying either:
   run at once (one sequence has one read at a time); what a step evicts for the disk is one
   write job (`put_blocks`), and the jobs run one at a time, each with its events, so that the
   events of a block stored by one job and evicted by another come in the order the disk did
-  both. Without an engine (the mocker, which moves no bytes)
-  all of it runs inline.
+  both. Without an engine (the mocker, which moves no bytes) all of it runs inline.
 
 A block a tier cannot return intact is a miss (the engine recomputes it), counted in
 `weir_kvbm_errors_total`. Nothing here touches torch: payloads are bytes, or views of host
